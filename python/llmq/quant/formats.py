@@ -1,0 +1,144 @@
+"""The one canonical in-memory form of group-wise integer weights.
+
+Every reader (GGUF, torchao, our own quantizer) converts *into* this form and every
+packer (MLX, CUDA, the MoE kernel) converts *out of* it, so conversions are written
+once per edge instead of once per pair. See docs/formats.md for the full contract.
+
+    w[..., n, k] = scale[..., n, k // group_size] * q[..., n, k] + bias[..., n, k // group_size]
+
+* q is unsigned, in [0, 2**bits).
+* qdata is uint8 [..., N, K * bits / 8]: each row is a little-endian, LSB-first bit
+  stream, element k occupying bits [k*bits, (k+1)*bits). For 4-bit this puts element 2i
+  in the low nibble of byte i (MLX, ModelOpt and compressed-tensors order); for 2-, 3-,
+  5-, 6-bit it is MLX's packing.
+* scale and bias are float32 [..., N, K / group_size]. The bias is *additive* (not a
+  zero point), so symmetric, asymmetric, float-zero (HQQ) and GGUF K-quant blocks all
+  fit exactly.
+* dequantize evaluates scale*q + bias exactly (float64) and rounds once to float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Tuple
+
+import torch
+
+SUPPORTED_BITS = (2, 3, 4, 5, 6, 7, 8)
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupQuantizedWeight:
+    """A group-wise integer weight in the canonical convention (see module docstring).
+
+    Not a torch.Tensor subclass on purpose: it is a plain, inspectable container that
+    converters and packers read field by field. Leading dimensions (e.g. stacked
+    experts [E, N, K]) are carried through unchanged.
+    """
+
+    qdata: torch.Tensor  # uint8 [..., N, K*bits/8]
+    scale: torch.Tensor  # float32 [..., N, K/group_size]
+    bias: torch.Tensor  # float32 [..., N, K/group_size]
+    bits: int
+    group_size: int
+    shape: Tuple[int, ...]  # logical (unpacked) shape [..., N, K]
+    dtype: torch.dtype = torch.bfloat16  # dtype of the original high-precision weight
+
+    def __post_init__(self):
+        validate_layout(self)
+
+    @property
+    def in_features(self) -> int:
+        return self.shape[-1]
+
+    @property
+    def out_features(self) -> int:
+        return self.shape[-2] if len(self.shape) >= 2 else 1
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qdata, self.scale, self.bias))
+
+
+def packed_row_bytes(k: int, bits: int) -> int:
+    """Bytes one packed row of k elements occupies; k*bits must be a whole number of bytes."""
+    if (k * bits) % 8:
+        raise ValueError(f"{k} elements of {bits} bits do not fill whole bytes")
+    return k * bits // 8
+
+
+def validate_layout(w: GroupQuantizedWeight) -> None:
+    """Raise ValueError if the fields disagree with each other (cheap, shape-only)."""
+    if w.bits not in SUPPORTED_BITS:
+        raise ValueError(f"bits={w.bits} unsupported; expected one of {SUPPORTED_BITS}")
+    if len(w.shape) < 1:
+        raise ValueError("a quantized weight needs at least one dimension")
+    k = w.shape[-1]
+    lead = tuple(w.shape[:-1]) if len(w.shape) >= 2 else (1,)
+    if w.group_size <= 0 or k % w.group_size:
+        raise ValueError(f"group_size={w.group_size} does not divide K={k}")
+    expect_q = lead + (packed_row_bytes(k, w.bits),)
+    expect_s = lead + (k // w.group_size,)
+    if w.qdata.dtype != torch.uint8 or tuple(w.qdata.shape) != expect_q:
+        raise ValueError(f"qdata must be uint8 {list(expect_q)}, got {w.qdata.dtype} {list(w.qdata.shape)}")
+    for name in ("scale", "bias"):
+        t = getattr(w, name)
+        if t.dtype != torch.float32 or tuple(t.shape) != expect_s:
+            raise ValueError(f"{name} must be float32 {list(expect_s)}, got {t.dtype} {list(t.shape)}")
+
+
+def pack_bits(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack unsigned integers q[..., K] (any integer dtype, values < 2**bits) into the
+    canonical LSB-first uint8 bit stream [..., K*bits/8]."""
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"bits={bits} unsupported; expected one of {SUPPORTED_BITS}")
+    k = q.shape[-1]
+    nbytes = packed_row_bytes(k, bits)
+    if bits == 8:
+        return q.to(torch.uint8).contiguous()
+    if bits in (2, 4):
+        per = 8 // bits
+        v = q.to(torch.uint8).reshape(*q.shape[:-1], k // per, per)
+        out = torch.zeros(v.shape[:-1], dtype=torch.uint8)
+        for j in range(per):
+            out |= v[..., j] << (j * bits)
+        return out
+    # General widths: lay out 8 elements (= `bits` bytes) at a time as one 64-bit word.
+    if k % 8:
+        raise ValueError(f"{bits}-bit packing needs K divisible by 8, got K={k}")
+    v = q.to(torch.int64).reshape(*q.shape[:-1], k // 8, 8)
+    word = torch.zeros(v.shape[:-1], dtype=torch.int64)
+    for j in range(8):
+        word |= v[..., j] << (j * bits)
+    out = torch.stack([((word >> (8 * b)) & 0xFF) for b in range(bits)], dim=-1)
+    return out.to(torch.uint8).reshape(*q.shape[:-1], nbytes)
+
+
+def unpack_bits(qdata: torch.Tensor, bits: int, k: int) -> torch.Tensor:
+    """Inverse of pack_bits: uint8 [..., K*bits/8] -> uint8 [..., K]."""
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"bits={bits} unsupported; expected one of {SUPPORTED_BITS}")
+    if qdata.shape[-1] != packed_row_bytes(k, bits):
+        raise ValueError(f"packed rows hold {qdata.shape[-1]} bytes, expected {packed_row_bytes(k, bits)} for K={k}")
+    if bits == 8:
+        return qdata.to(torch.uint8)
+    mask = (1 << bits) - 1
+    if bits in (2, 4):
+        per = 8 // bits
+        parts = [(qdata >> (j * bits)) & mask for j in range(per)]
+        return torch.stack(parts, dim=-1).reshape(*qdata.shape[:-1], k)
+    b = qdata.to(torch.int64).reshape(*qdata.shape[:-1], k // 8, bits)
+    word = torch.zeros(b.shape[:-1], dtype=torch.int64)
+    for j in range(bits):
+        word |= b[..., j] << (8 * j)
+    parts = [(word >> (j * bits)) & mask for j in range(8)]
+    return torch.stack(parts, dim=-1).reshape(*qdata.shape[:-1], k).to(torch.uint8)
+
+
+def dequantize_canonical(w: GroupQuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """scale*q + bias evaluated exactly in float64, rounded once to float32 (then to dtype)."""
+    k = w.shape[-1]
+    q = unpack_bits(w.qdata, w.bits, k).to(torch.float64)
+    q = q.reshape(*q.shape[:-1], k // w.group_size, w.group_size)
+    out = q * w.scale.to(torch.float64).unsqueeze(-1) + w.bias.to(torch.float64).unsqueeze(-1)
+    return out.to(torch.float32).reshape(w.shape).to(dtype)

@@ -1,0 +1,55 @@
+"""Repository rule: detects the backend runtimes this machine has, for test gating.
+
+Tests tagged with a backend get target_compatible_with one of the constraint values
+below. The constraint settings default to whatever was detected, so on a machine without
+the runtime such a test is SKIPPED by `bazel test //...` (incompatible), never failed and
+never silently passed. Override with LLMQ_FORCE_CUDA=0/1 or LLMQ_FORCE_MLX=0/1.
+"""
+
+def _has_cuda(ctx):
+    forced = ctx.os.environ.get("LLMQ_FORCE_CUDA")
+    if forced != None:
+        return forced == "1"
+    if not ctx.path("/dev/nvidiactl").exists:
+        return False
+    smi = ctx.which("nvidia-smi")
+    if smi == None:
+        return False
+    return ctx.execute([smi, "-L"]).return_code == 0
+
+def _has_mlx(ctx, python):
+    forced = ctx.os.environ.get("LLMQ_FORCE_MLX")
+    if forced != None:
+        return forced == "1"
+    if not python.exists:
+        return False
+    res = ctx.execute([str(python), "-c", "import mlx.core as mx; mx.eval(mx.ones(2) + 1)"], timeout = 120)
+    return res.return_code == 0
+
+def _llmq_platform_impl(ctx):
+    workspace = ctx.path(Label("//:WORKSPACE")).dirname
+    ctx.read(Label("//:requirements_lock.txt"))
+    python = workspace.get_child(".venv").get_child("bin").get_child("python3")
+    cuda = _has_cuda(ctx)
+    mlx = _has_mlx(ctx, python)
+    ctx.file("BUILD.bazel", """
+package(default_visibility = ["//visibility:public"])
+
+constraint_setting(name = "cuda", default_constraint_value = ":{cuda}")
+constraint_value(name = "cuda_present", constraint_setting = ":cuda")
+constraint_value(name = "cuda_absent", constraint_setting = ":cuda")
+
+constraint_setting(name = "mlx", default_constraint_value = ":{mlx}")
+constraint_value(name = "mlx_present", constraint_setting = ":mlx")
+constraint_value(name = "mlx_absent", constraint_setting = ":mlx")
+""".format(
+        cuda = "cuda_present" if cuda else "cuda_absent",
+        mlx = "mlx_present" if mlx else "mlx_absent",
+    ))
+    ctx.file("defs.bzl", "HAS_CUDA = %s\nHAS_MLX = %s\n" % (cuda, mlx))
+
+llmq_platform = repository_rule(
+    implementation = _llmq_platform_impl,
+    local = True,
+    environ = ["LLMQ_FORCE_CUDA", "LLMQ_FORCE_MLX", "LLMQ_VENV_STAMP"],
+)
