@@ -1,0 +1,52 @@
+"""llmq.quant: recipes, weight quantization into the canonical group-wise integer form,
+model / stream application, and exact converters at the edges (docs/formats.md).
+
+The torchao converters (`to_torchao`, `from_torchao`) are imported on first use, so that
+`import llmq.quant` does not import torchao.
+"""
+
+from llmq.quant.formats import GroupQuantizedWeight, dequantize_canonical, pack_bits, unpack_bits
+from llmq.quant.fuse import fuse_along_output
+from llmq.quant.model import QuantizationReport, ReportEntry, quantize_model
+from llmq.quant.modules import QuantizedEmbedding, QuantizedLinear
+from llmq.quant.presets import PRESETS, get_preset, load_recipe, register_preset
+from llmq.quant.quantize import dequantize, quantize_weight
+from llmq.quant.recipe import QuantConfig, QuantRecipe, QuantRule
+from llmq.quant.stream import quantize_stream
+
+_LAZY = {"to_torchao": "llmq.quant.torchao_interop", "from_torchao": "llmq.quant.torchao_interop"}
+
+__all__ = [
+    "QuantConfig",
+    "QuantRule",
+    "QuantRecipe",
+    "quantize_weight",
+    "quantize_model",
+    "quantize_stream",
+    "dequantize",
+    "fuse_along_output",
+    "GroupQuantizedWeight",
+    "get_preset",
+    "register_preset",
+    "load_recipe",
+    "PRESETS",
+    "QuantizedLinear",
+    "QuantizedEmbedding",
+    "QuantizationReport",
+    "ReportEntry",
+    "pack_bits",
+    "unpack_bits",
+    "dequantize_canonical",
+    "to_torchao",
+    "from_torchao",
+]
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'llmq.quant' has no attribute {name!r}")

@@ -1,0 +1,166 @@
+"""nn.Modules that hold canonical quantized weights and dequantize them inside forward.
+
+The quantized fields are buffers, so they appear in state_dict and in a torch.export graph
+as uint8/float32 constants, and the unpack + dequantize is part of the graph (plain shifts,
+masks, multiplies). Buffer names (documented in docs/formats.md):
+
+    weight_qdata  uint8   [N, K*bits/8]   canonical packed q (LSB-first along K)
+    weight_scale  float32 [N, K/group]    canonical scale
+    weight_bias   float32 [N, K/group]    canonical ADDITIVE group bias (w = scale*q + bias);
+                                          not the Linear's output bias, which stays `bias`
+
+forward dequantizes in float32 as fl(fl(q*scale) + bias): exportable and portable, at most
+about one float32 rounding of |scale*q| plus one of |w| away from `dequantize()`'s exact value.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmq.quant.formats import GroupQuantizedWeight, packed_row_bytes
+from llmq.quant.quantize import quantize_weight
+from llmq.quant.recipe import QuantConfig
+
+
+def unpack_bits_graph(qdata: torch.Tensor, bits: int, k: int) -> torch.Tensor:
+    """formats.unpack_bits written with device-agnostic, export-friendly ops only (no
+    freshly allocated tensors): uint8 [..., K*bits/8] -> int32 [..., K]."""
+    mask = (1 << bits) - 1
+    lead = qdata.shape[:-1]
+    if bits == 8:
+        return qdata.to(torch.int32)
+    if bits in (2, 4):
+        per = 8 // bits
+        b = qdata.to(torch.int32)
+        parts = [(b >> (j * bits)) & mask for j in range(per)]
+        return torch.stack(parts, dim=-1).reshape(*lead, k)
+    b = qdata.to(torch.int64).reshape(*lead, k // 8, bits)
+    word = b[..., 0]
+    for j in range(1, bits):
+        word = word | (b[..., j] << (8 * j))
+    parts = [(word >> (j * bits)) & mask for j in range(8)]
+    return torch.stack(parts, dim=-1).reshape(*lead, k).to(torch.int32)
+
+
+def dequantize_graph(qdata: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, bits: int, group_size: int, k: int) -> torch.Tensor:
+    """float32 scale*q + bias for rows of canonical fields, in export-friendly ops."""
+    q = unpack_bits_graph(qdata, bits, k).to(torch.float32)
+    q = q.reshape(*q.shape[:-1], k // group_size, group_size)
+    w = q * scale.unsqueeze(-1) + bias.unsqueeze(-1)
+    return w.reshape(*w.shape[:-2], k)
+
+
+def _require_int(config: QuantConfig, name: str) -> None:
+    if config.format != "int":
+        raise NotImplementedError(f"{name}: no quantized module for format {config.format!r} yet (only 'int')")
+
+
+class _QuantizedWeightMixin:
+    """Shared buffers and conversions of the quantized modules."""
+
+    def _register_quantized(self, n: int, k: int, bits: int, group_size: int, dtype: torch.dtype, device=None) -> None:
+        if k % group_size:
+            raise ValueError(f"group_size={group_size} does not divide K={k}")
+        self.bits = bits
+        self.group_size = group_size
+        self.weight_dtype = dtype
+        g = k // group_size
+        self.register_buffer("weight_qdata", torch.zeros(n, packed_row_bytes(k, bits), dtype=torch.uint8, device=device))
+        self.register_buffer("weight_scale", torch.ones(n, g, dtype=torch.float32, device=device))
+        self.register_buffer("weight_bias", torch.zeros(n, g, dtype=torch.float32, device=device))
+
+    def _set_quantized(self, qw: GroupQuantizedWeight) -> None:
+        if len(qw.shape) != 2:
+            raise ValueError(f"{type(self).__name__} needs a 2-D quantized weight, got shape {list(qw.shape)}")
+        self.weight_qdata.copy_(qw.qdata)
+        self.weight_scale.copy_(qw.scale)
+        self.weight_bias.copy_(qw.bias)
+
+    def quantized_weight(self) -> GroupQuantizedWeight:
+        """The canonical weight this module holds (views of its buffers, on CPU)."""
+        n, g = self.weight_scale.shape
+        return GroupQuantizedWeight(
+            qdata=self.weight_qdata.cpu(),
+            scale=self.weight_scale.cpu(),
+            bias=self.weight_bias.cpu(),
+            bits=self.bits,
+            group_size=self.group_size,
+            shape=(n, g * self.group_size),
+            dtype=self.weight_dtype,
+        )
+
+
+class QuantizedLinear(_QuantizedWeightMixin, nn.Module):
+    """y = x @ dequant(W).T + b with W stored in the canonical group-quantized form."""
+
+    def __init__(self, in_features: int, out_features: int, *, bits: int, group_size: int, bias: bool = False,
+                 dtype: torch.dtype = torch.bfloat16, device=None):
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self._register_quantized(out_features, in_features, bits, group_size, dtype, device)
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
+
+    @classmethod
+    def from_quantized(cls, qw: GroupQuantizedWeight, bias: Optional[torch.Tensor] = None) -> "QuantizedLinear":
+        n, k = qw.shape if len(qw.shape) == 2 else (None, None)
+        if n is None:
+            raise ValueError(f"QuantizedLinear needs a 2-D [out, in] weight, got shape {list(qw.shape)}")
+        m = cls(k, n, bits=qw.bits, group_size=qw.group_size, bias=bias is not None, dtype=qw.dtype)
+        m._set_quantized(qw)
+        if bias is not None:
+            m.bias.data = bias.detach().clone()
+        return m
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, config: QuantConfig, *, name: str = "<linear>") -> "QuantizedLinear":
+        _require_int(config, name)
+        qw = quantize_weight(linear.weight.detach(), config, name=f"{name}.weight")
+        return cls.from_quantized(qw, linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = dequantize_graph(self.weight_qdata, self.weight_scale, self.weight_bias, self.bits, self.group_size, self.in_features)
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return F.linear(x, w.to(x.dtype), bias)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
+                f"group_size={self.group_size}, bias={self.bias is not None}")
+
+
+class QuantizedEmbedding(_QuantizedWeightMixin, nn.Module):
+    """Embedding lookup that dequantizes only the looked-up rows."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, bits: int, group_size: int,
+                 dtype: torch.dtype = torch.bfloat16, padding_idx: Optional[int] = None, device=None):
+        super().__init__()
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.padding_idx = padding_idx
+        self._register_quantized(num_embeddings, embedding_dim, bits, group_size, dtype, device)
+
+    @classmethod
+    def from_quantized(cls, qw: GroupQuantizedWeight, padding_idx: Optional[int] = None) -> "QuantizedEmbedding":
+        if len(qw.shape) != 2:
+            raise ValueError(f"QuantizedEmbedding needs a 2-D [num, dim] weight, got shape {list(qw.shape)}")
+        m = cls(qw.shape[0], qw.shape[1], bits=qw.bits, group_size=qw.group_size, dtype=qw.dtype, padding_idx=padding_idx)
+        m._set_quantized(qw)
+        return m
+
+    @classmethod
+    def from_embedding(cls, emb: nn.Embedding, config: QuantConfig, *, name: str = "<embedding>") -> "QuantizedEmbedding":
+        _require_int(config, name)
+        qw = quantize_weight(emb.weight.detach(), config, name=f"{name}.weight")
+        return cls.from_quantized(qw, emb.padding_idx)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        w = dequantize_graph(self.weight_qdata[ids], self.weight_scale[ids], self.weight_bias[ids], self.bits,
+                             self.group_size, self.embedding_dim)
+        return w.to(self.weight_dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, bits={self.bits}, group_size={self.group_size}"

@@ -1,0 +1,91 @@
+"""Named recipes, so a command line can say ``--recipe=int4``.
+
+The generic presets here quantize every Linear-like weight except the ones that are known
+to hurt (or to be tiny): embeddings, the LM head, MoE routers / gates and norms. Models add
+their own presets with `register_preset` (e.g. "qwen-int4"); a name may also be a path to a
+recipe file (`load_recipe`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Dict, List, Union
+
+from llmq.quant.recipe import QuantConfig, QuantRecipe, QuantRule
+
+# Modules no generic preset quantizes. Anchored on a dot so that "gate" (a MoE router) is
+# kept while "gate_proj" (an FFN projection) is quantized.
+KEEP_PATTERNS = (
+    r"(.*\.)?(embed_tokens|embed|embeddings|embedding|wte|wpe|tok_embeddings)",
+    r"(.*\.)?(lm_head|output)",
+    r"(.*\.)?(gate|router|shared_expert_gate)",
+    r".*norm.*",
+    r".*conv.*",
+)
+
+ATTENTION_PATTERN = r".*\.(self_attn|attn|attention)\.(q_proj|k_proj|v_proj|o_proj|qkv_proj|out_proj)"
+
+INT4 = QuantConfig(bits=4, group_size=32, symmetric=True)
+INT4_ASYM = QuantConfig(bits=4, group_size=32, symmetric=False)
+INT8_PER_CHANNEL = QuantConfig(bits=8, group_size=None, symmetric=True)
+INT8_G32 = QuantConfig(bits=8, group_size=32, symmetric=True)
+
+
+def _keep_rules() -> List[QuantRule]:
+    return [QuantRule(p, None) for p in KEEP_PATTERNS]
+
+
+def _uniform(config: QuantConfig) -> QuantRecipe:
+    return QuantRecipe(_keep_rules() + [QuantRule(".*", config)])
+
+
+def _int4_mixed() -> QuantRecipe:
+    # 8-bit where errors cost most: attention projections everywhere, and the whole first
+    # and last decoder layers (negative indices are bound to the model's depth at use).
+    return QuantRecipe(
+        _keep_rules()
+        + [
+            QuantRule(ATTENTION_PATTERN, INT8_G32),
+            QuantRule(r".*", INT8_G32, layers=[0, -1]),
+            QuantRule(r".*", INT4),
+        ]
+    )
+
+
+PRESETS: Dict[str, QuantRecipe] = {
+    "int4": _uniform(INT4),
+    "int4-asym": _uniform(INT4_ASYM),
+    "int8": _uniform(INT8_PER_CHANNEL),
+    "int4-mixed": _int4_mixed(),
+}
+
+
+def register_preset(name: str, recipe: QuantRecipe, *, overwrite: bool = False) -> None:
+    """Make `recipe` available as get_preset(name); refuses to silently replace a preset."""
+    if not isinstance(recipe, QuantRecipe):
+        raise ValueError(f"preset {name!r} must be a QuantRecipe, got {type(recipe).__name__}")
+    if not name or not isinstance(name, str):
+        raise ValueError(f"preset name must be a non-empty string, got {name!r}")
+    if name in PRESETS and not overwrite:
+        raise ValueError(f"preset {name!r} already exists; pass overwrite=True to replace it")
+    PRESETS[name] = recipe
+
+
+def get_preset(name: str) -> QuantRecipe:
+    """The preset called `name`; an unknown name lists the known ones."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown recipe preset {name!r}; known presets: {', '.join(sorted(PRESETS))}") from None
+
+
+def load_recipe(name_or_path: Union[str, os.PathLike]) -> QuantRecipe:
+    """What a ``--recipe`` flag means: a preset name, or else a path to a JSON/YAML recipe file."""
+    spec = os.fspath(name_or_path)
+    if spec in PRESETS:
+        return PRESETS[spec]
+    if os.path.exists(spec):
+        return QuantRecipe.from_file(spec)
+    raise ValueError(
+        f"--recipe {spec!r} is neither a known preset ({', '.join(sorted(PRESETS))}) nor an existing recipe file"
+    )

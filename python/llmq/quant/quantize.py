@@ -1,0 +1,155 @@
+"""Weight-only group-wise integer quantization into the canonical form, and back.
+
+The arithmetic follows torchao 0.18's `choose_qparams_affine` / `quantize_affine` so that
+results can be checked bit-for-bit against it (docs/formats.md, "Quantization rules"):
+
+* symmetric: signed range [-2^(b-1), 2^(b-1)-1], scale = max(|min|, |max|) / ((qmax-qmin)/2)
+  clamped below at float32's smallest normal, q_signed = clamp(round(w * (1/scale))), stored
+  as q = q_signed + 2^(b-1) with bias = -2^(b-1) * scale (exact in float32).
+* asymmetric: scale = (max(max,0) - min(min,0)) / (2^b - 1) clamped the same way, then rounded
+  to at most 24-b significant bits so that bias = -zero * scale is exact in float32; integer
+  zero = clamp(-round(min(min,0) / scale), 0, 2^b-1); q = clamp(round(w * (1/scale)) + zero).
+
+All arithmetic runs in float32 on the weight upcast to float32 (exact for bf16/fp16 inputs).
+Rounding is torch.round (half to even), as in torchao.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from llmq.quant.formats import GroupQuantizedWeight, dequantize_canonical, pack_bits
+from llmq.quant.recipe import INT_FORMAT, QuantConfig
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# Quantize this many elements at a time so that peak memory stays a small multiple of the
+# input (a stacked-expert tensor can be gigabytes) instead of ~10x it.
+_CHUNK_ELEMENTS = 1 << 24
+
+
+def _check_weight(w: torch.Tensor, config: QuantConfig, name: str) -> int:
+    """Validate w against config; return the group size. Errors name the tensor."""
+    if not isinstance(w, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(w).__name__}")
+    if not isinstance(config, QuantConfig):
+        raise ValueError(f"{name}: expected a QuantConfig, got {type(config).__name__}")
+    if config.method != "minmax":
+        raise NotImplementedError(f"{name}: method {config.method!r} is not implemented yet (only 'minmax')")
+    if w.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{name}: expected a float32/bfloat16/float16 weight, got dtype {w.dtype}")
+    if not 1 <= w.dim() <= 3:
+        raise ValueError(f"{name}: expected a 1-D, 2-D or 3-D ([experts, out, in]) weight, got shape {list(w.shape)}")
+    k = w.shape[-1]
+    if k == 0 or w.numel() == 0:
+        raise ValueError(f"{name}: cannot quantize an empty weight of shape {list(w.shape)}")
+    gs = config.group_size_for(k)
+    if k % gs:
+        raise ValueError(f"{name}: group_size={gs} does not divide the input dimension K={k} (shape {list(w.shape)})")
+    if (k * config.bits) % 8 or (config.bits not in (2, 4, 8) and k % 8):
+        raise ValueError(f"{name}: K={k} cannot be packed at {config.bits} bits (rows must fill whole bytes; K % 8 == 0 for 3/5/6/7-bit)")
+    return gs
+
+
+def _raise_not_finite(w: torch.Tensor, name: str) -> None:
+    """Called once a group's min/max came out NaN/Inf: name the first offending element."""
+    finite = torch.isfinite(w)
+    bad = (~finite).nonzero()[0].tolist()
+    raise ValueError(f"{name}: weight has {int((~finite).sum())} NaN/Inf value(s), first at index {bad}")
+
+
+def round_scale_mantissa(scale: torch.Tensor, significant_bits: int) -> torch.Tensor:
+    """Round positive normal float32 values to `significant_bits` significant bits (nearest,
+    ties to even), by integer arithmetic on their bit patterns."""
+    drop = 24 - significant_bits
+    if drop <= 0:
+        return scale
+    bits = scale.contiguous().view(torch.int32)
+    lsb = (bits >> drop) & 1
+    bits = (bits + ((1 << (drop - 1)) - 1) + lsb) & ~((1 << drop) - 1)
+    return bits.view(torch.float32)
+
+
+def _qparams_symmetric(xmin: torch.Tensor, xmax: torch.Tensor, bits: int) -> torch.Tensor:
+    """torchao MappingType.SYMMETRIC scale from float32 group minima / maxima."""
+    qmin, qmax = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    min_neg = torch.clamp(xmin, max=0.0)
+    max_pos = torch.clamp(xmax, min=0.0)
+    amax = torch.max(-min_neg, max_pos)
+    scale = amax / (float(qmax - qmin) / 2)
+    return torch.clamp(scale, min=torch.finfo(torch.float32).smallest_normal)
+
+
+def _qparams_asymmetric(xmin: torch.Tensor, xmax: torch.Tensor, bits: int, name: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """torchao MappingType.ASYMMETRIC qparams (unsigned range) from float32 group minima /
+    maxima, with the scale mantissa rounded to 24-bits significant bits; (scale, zero)."""
+    qmax = (1 << bits) - 1
+    min_neg = torch.clamp(xmin, max=0.0)
+    max_pos = torch.clamp(xmax, min=0.0)
+    scale = (max_pos - min_neg) / float(qmax)
+    scale = torch.clamp(scale, min=torch.finfo(torch.float32).smallest_normal)
+    scale = round_scale_mantissa(scale, 24 - bits)
+    if not bool(torch.isfinite(scale).all()):
+        raise ValueError(f"{name}: a group's value range (max - min) overflows float32; cannot quantize")
+    zero = torch.clamp(0.0 - torch.round(min_neg / scale), 0, qmax)
+    return scale, zero
+
+
+def _quantize_rows(x: torch.Tensor, config: QuantConfig, gs: int, name: str):
+    """Quantize float32 rows x[R, K] -> (packed qdata [R, K*b/8], scale [R, G], bias [R, G])."""
+    bits = config.bits
+    rows, k = x.shape
+    g = x.reshape(rows, k // gs, gs)
+    xmin, xmax = g.amin(-1), g.amax(-1)  # both propagate NaN, and +-Inf shows up in one of them
+    if not (bool(torch.isfinite(xmin).all()) and bool(torch.isfinite(xmax).all())):
+        _raise_not_finite(x, name)
+    if config.symmetric:
+        offset = 1 << (bits - 1)
+        scale = _qparams_symmetric(xmin, xmax, bits)
+        q = torch.mul(g, (1.0 / scale).unsqueeze(-1)).round_().clamp_(-offset, offset - 1).add_(offset)
+        bias = scale * -float(offset)
+    else:
+        scale, zero = _qparams_asymmetric(xmin, xmax, bits, name)
+        q = torch.mul(g, (1.0 / scale).unsqueeze(-1)).round_().add_(zero.unsqueeze(-1)).clamp_(0, (1 << bits) - 1)
+        bias = 0.0 - zero * scale  # exact; +0.0 (not -0.0) when zero == 0
+    q = q.reshape(rows, k).to(torch.uint8)
+    return pack_bits(q, bits), scale, bias
+
+
+def quantize_weight(w: torch.Tensor, config: QuantConfig, *, name: str = "<tensor>") -> GroupQuantizedWeight:
+    """Quantize a 1-D, 2-D [out, in] or 3-D [experts, out, in] float weight group-wise along
+    its last (input) dimension into the canonical GroupQuantizedWeight.
+
+    Floating-point formats (fp8, mxfp8, mxfp4, nvfp4) are handed to llmq.quant.fp, which
+    returns its own containers (a float code is not scale*q + bias with integer q)."""
+    if isinstance(config, QuantConfig) and config.format != INT_FORMAT:
+        from llmq.quant import fp  # imported on demand: integer-only users never need it
+
+        return fp.quantize_fp_weight(w, config, name=name)
+    gs = _check_weight(w, config, name)
+    shape = tuple(w.shape)
+    k = shape[-1]
+    lead = shape[:-1] if len(shape) >= 2 else (1,)
+    rows = w.detach().reshape(-1, k)
+    step = max(1, _CHUNK_ELEMENTS // k)
+    parts = [_quantize_rows(rows[i : i + step].to(device="cpu", dtype=torch.float32), config, gs, name) for i in range(0, rows.shape[0], step)]
+    qdata, scale, bias = (torch.cat([p[j] for p in parts]) if len(parts) > 1 else parts[0][j] for j in range(3))
+    return GroupQuantizedWeight(
+        qdata=qdata.reshape(*lead, -1).contiguous(),
+        scale=scale.reshape(*lead, -1).contiguous(),
+        bias=bias.reshape(*lead, -1).contiguous(),
+        bits=config.bits,
+        group_size=gs,
+        shape=shape,
+        dtype=w.dtype,
+    )
+
+
+def dequantize(qw: GroupQuantizedWeight, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """The float weight qw stands for: scale*q + bias, exact in float64 and rounded once to
+    float32 (then to `dtype`, default the dtype the weight was quantized from)."""
+    if not isinstance(qw, GroupQuantizedWeight):
+        raise ValueError(f"dequantize expects a GroupQuantizedWeight, got {type(qw).__name__}")
+    return dequantize_canonical(qw, qw.dtype if dtype is None else dtype)

@@ -1,0 +1,283 @@
+"""Recipes: which module gets which quantization, decided by its fully-qualified name.
+
+A recipe is an ordered list of rules. Each rule is a regular expression that must match a
+*module* fqn completely (``model.layers.3.mlp.down_proj``, never ``...down_proj.weight``),
+optionally restricted to decoder-layer indices, and a `QuantConfig` (or ``None`` = keep the
+module in high precision). The first matching rule wins; if no rule matches, the module is
+kept. Recipes round-trip through plain dicts (for manifests) and load from JSON/YAML files;
+the file format is documented in docs/formats.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+
+import torch
+
+from llmq.quant.formats import SUPPORTED_BITS
+
+# Formats the config knows about: "int" is the canonical group-wise integer form; the
+# floating-point formats are quantized by llmq.quant.fp (see quantize_weight).
+INT_FORMAT = "int"
+FORMATS = ("int", "fp8", "mxfp8", "mxfp4", "nvfp4")
+METHODS = ("minmax", "hqq")
+
+# Fixed (bits, group_size) of the microscaling formats; None = free.
+_FIXED_FORMAT_SHAPES = {
+    "fp8": (8, None),
+    "mxfp8": (8, 32),
+    "mxfp4": (4, 32),
+    "nvfp4": (4, 16),
+}
+
+_DTYPE_NAMES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
+
+
+def _dtype_from_name(value: Union[str, torch.dtype]) -> torch.dtype:
+    if isinstance(value, torch.dtype):
+        return value
+    name = str(value).replace("torch.", "")
+    if name not in _DTYPE_NAMES:
+        raise ValueError(f"scale_dtype {value!r} unknown; expected one of {sorted(_DTYPE_NAMES)}")
+    return _DTYPE_NAMES[name]
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantConfig:
+    """How to quantize one weight.
+
+    group_size: elements of a row (along K, the input dimension) that share one scale/bias;
+    ``None`` or ``-1`` means one group per row (per-channel). ``-1`` is normalised to ``None``.
+    For fp8 it selects the granularity: 0 per tensor, None per channel, 128 for 128x128 blocks.
+    symmetric: symmetric (zero maps to zero, signed range) or asymmetric (integer zero point)
+    min-max quantization; see docs/formats.md for the exact rules.
+    scale_dtype: the precision the scale is chosen in; the canonical form stores float32, so
+    only float32 is accepted for format "int".
+    """
+
+    format: str = INT_FORMAT
+    bits: int = 4
+    group_size: Optional[int] = 32
+    symmetric: bool = True
+    method: str = "minmax"
+    scale_dtype: torch.dtype = torch.float32
+
+    def __post_init__(self):
+        if self.format not in FORMATS:
+            raise ValueError(f"QuantConfig.format={self.format!r} unknown; expected one of {FORMATS}")
+        if not isinstance(self.bits, int) or isinstance(self.bits, bool):
+            raise ValueError(f"QuantConfig.bits must be an int, got {self.bits!r}")
+        gs = self.group_size
+        if gs == -1:
+            object.__setattr__(self, "group_size", None)
+        elif self.format == "fp8":
+            if gs not in (None, 0, 128) or isinstance(gs, bool):
+                raise ValueError(f"QuantConfig.group_size={gs!r} unsupported for fp8; expected 0 (per tensor), -1/None (per channel) or 128 (128x128 blocks)")
+        elif gs is not None and (not isinstance(gs, int) or isinstance(gs, bool) or gs <= 0):
+            raise ValueError(f"QuantConfig.group_size must be a positive int, -1 or None (whole row), got {gs!r}")
+        if not isinstance(self.symmetric, bool):
+            raise ValueError(f"QuantConfig.symmetric must be a bool, got {self.symmetric!r}")
+        if self.method not in METHODS:
+            raise ValueError(f"QuantConfig.method={self.method!r} unknown; expected one of {METHODS}")
+        object.__setattr__(self, "scale_dtype", _dtype_from_name(self.scale_dtype))
+        if self.format == INT_FORMAT:
+            if self.bits not in SUPPORTED_BITS:
+                raise ValueError(f"QuantConfig.bits={self.bits} unsupported for format 'int'; expected one of {SUPPORTED_BITS}")
+            if self.scale_dtype != torch.float32:
+                raise ValueError(
+                    f"QuantConfig.scale_dtype={self.scale_dtype} unsupported for format 'int'; the canonical form stores float32 scales"
+                )
+        else:
+            bits, group = _FIXED_FORMAT_SHAPES[self.format]
+            if self.bits != bits:
+                raise ValueError(f"format {self.format!r} has {bits}-bit elements, got bits={self.bits}")
+            if group is not None and self.group_size != group:
+                raise ValueError(f"format {self.format!r} uses group_size={group}, got {self.group_size}")
+
+    def group_size_for(self, k: int) -> int:
+        """The group size to use for rows of length k (resolves 'whole row')."""
+        return k if self.group_size is None else self.group_size
+
+    def to_dict(self) -> Dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["scale_dtype"] = _dtype_name(self.scale_dtype)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "QuantConfig":
+        if not isinstance(d, Mapping):
+            raise ValueError(f"a quantization config must be a mapping, got {type(d).__name__}: {d!r}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown QuantConfig field(s) {sorted(unknown)}; expected some of {sorted(known)}")
+        return cls(**dict(d))
+
+    def describe(self) -> str:
+        """Short human-readable form, e.g. 'int4 g32 sym'."""
+        group = "row" if self.group_size is None else str(self.group_size)
+        kind = "sym" if self.symmetric else "asym"
+        return f"{self.format}{self.bits} g{group} {kind}" + ("" if self.method == "minmax" else f" {self.method}")
+
+
+def layer_index(fqn: str) -> Optional[int]:
+    """The decoder-layer index of an fqn (the N of its first ``layers.N`` segment), or None."""
+    m = _LAYER_INDEX.search(fqn)
+    return int(m.group(1)) if m else None
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantRule:
+    """One recipe line: modules whose fqn fully matches `pattern` (and, if `layers` is given,
+    whose decoder-layer index is in it) get `config`; config None keeps them unquantized.
+
+    `layers` may hold negative indices counted from the end (-1 = last layer); they need the
+    model's layer count, which `QuantRecipe.bind(num_layers)` supplies.
+    """
+
+    pattern: str
+    config: Optional[QuantConfig] = None
+    layers: Optional[Tuple[int, ...]] = None
+
+    def __post_init__(self):
+        if not isinstance(self.pattern, str):
+            raise ValueError(f"QuantRule.pattern must be a string, got {self.pattern!r}")
+        try:
+            re.compile(self.pattern)
+        except re.error as e:
+            raise ValueError(f"QuantRule.pattern {self.pattern!r} is not a valid regular expression: {e}") from None
+        if isinstance(self.config, Mapping):
+            object.__setattr__(self, "config", QuantConfig.from_dict(self.config))
+        elif self.config is not None and not isinstance(self.config, QuantConfig):
+            raise ValueError(f"QuantRule.config must be a QuantConfig, a dict or None, got {self.config!r}")
+        if self.layers is not None:
+            if isinstance(self.layers, (str, bytes)) or not isinstance(self.layers, Iterable):
+                raise ValueError(f"QuantRule.layers must be a list/set/range of ints, got {self.layers!r}")
+            layers = tuple(self.layers)
+            if not all(isinstance(i, int) and not isinstance(i, bool) for i in layers):
+                raise ValueError(f"QuantRule.layers must hold ints, got {list(layers)!r}")
+            object.__setattr__(self, "layers", tuple(sorted(set(layers))))
+
+    @property
+    def regex(self) -> "re.Pattern[str]":
+        return re.compile(self.pattern)
+
+    @property
+    def has_relative_layers(self) -> bool:
+        return self.layers is not None and any(i < 0 for i in self.layers)
+
+    def to_dict(self) -> Dict[str, Any]:
+        d: Dict[str, Any] = {"pattern": self.pattern, "config": None if self.config is None else self.config.to_dict()}
+        if self.layers is not None:
+            d["layers"] = list(self.layers)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "QuantRule":
+        if not isinstance(d, Mapping) or "pattern" not in d:
+            raise ValueError(f"a recipe rule must be a mapping with a 'pattern', got {d!r}")
+        unknown = set(d) - {"pattern", "config", "layers"}
+        if unknown:
+            raise ValueError(f"unknown recipe rule field(s) {sorted(unknown)} in {dict(d)!r}; expected pattern, config, layers")
+        config = d.get("config")
+        return cls(d["pattern"], None if config is None else QuantConfig.from_dict(config), d.get("layers"))
+
+
+class QuantRecipe:
+    """An ordered list of QuantRules; `get_config(module_fqn)` answers with the first match."""
+
+    def __init__(self, rules: Sequence[Union[QuantRule, Mapping[str, Any]]], *, num_layers: Optional[int] = None):
+        self.rules: List[QuantRule] = [r if isinstance(r, QuantRule) else QuantRule.from_dict(r) for r in rules]
+        if num_layers is not None and (not isinstance(num_layers, int) or num_layers <= 0):
+            raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
+        self.num_layers = num_layers
+        self._compiled = [(r, r.regex) for r in self.rules]
+
+    def __repr__(self) -> str:
+        return f"QuantRecipe({self.rules!r}, num_layers={self.num_layers})"
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, QuantRecipe) and self.rules == other.rules and self.num_layers == other.num_layers
+
+    @property
+    def needs_num_layers(self) -> bool:
+        """True if a rule counts layers from the end and no layer count is bound yet."""
+        return self.num_layers is None and any(r.has_relative_layers for r in self.rules)
+
+    def bind(self, num_layers: int) -> "QuantRecipe":
+        """A copy that resolves negative layer indices against a model with num_layers layers."""
+        return QuantRecipe(self.rules, num_layers=num_layers)
+
+    def _layer_allowed(self, rule: QuantRule, fqn: str) -> bool:
+        if rule.layers is None:
+            return True
+        idx = layer_index(fqn)
+        if idx is None:
+            return False
+        if rule.has_relative_layers and self.num_layers is None:
+            raise ValueError(
+                f"recipe rule {rule.pattern!r} uses layers {list(rule.layers)} counted from the end, "
+                f"but the model's layer count is unknown (matching {fqn!r}); call recipe.bind(num_layers) first"
+            )
+        n = self.num_layers
+        allowed = {i if i >= 0 else n + i for i in rule.layers}
+        return idx in allowed
+
+    def get_config(self, fqn: str) -> Optional[QuantConfig]:
+        """Config for the module `fqn` (no `.weight` suffix), or None to keep it as is."""
+        for rule, regex in self._compiled:
+            if regex.fullmatch(fqn) and self._layer_allowed(rule, fqn):
+                return rule.config
+        return None
+
+    def to_dict(self) -> Dict[str, Any]:
+        d: Dict[str, Any] = {"rules": [r.to_dict() for r in self.rules]}
+        if self.num_layers is not None:
+            d["num_layers"] = self.num_layers
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "QuantRecipe":
+        if not isinstance(d, Mapping) or not isinstance(d.get("rules"), list):
+            raise ValueError("a recipe must be a mapping with a 'rules' list")
+        unknown = set(d) - {"rules", "num_layers", "name", "description"}
+        if unknown:
+            raise ValueError(f"unknown recipe field(s) {sorted(unknown)}; expected rules, num_layers, name, description")
+        return cls([QuantRule.from_dict(r) for r in d["rules"]], num_layers=d.get("num_layers"))
+
+    @classmethod
+    def from_file(cls, path: Union[str, os.PathLike]) -> "QuantRecipe":
+        """Load a recipe from a .json, .yaml or .yml file (format: docs/formats.md)."""
+        path = os.fspath(path)
+        try:
+            with open(path, "r", encoding="utf-8") as f:
+                text = f.read()
+        except OSError as e:
+            raise ValueError(f"cannot read recipe file {path}: {e.strerror or e}") from None
+        try:
+            if path.endswith(".json"):
+                data = json.loads(text)
+            else:
+                import yaml  # YAML is a superset of JSON, so this also reads extension-less JSON
+
+                data = yaml.safe_load(text)
+        except Exception as e:  # json.JSONDecodeError, yaml.YAMLError
+            raise ValueError(f"recipe file {path} is not valid JSON/YAML: {e}") from None
+        try:
+            return cls.from_dict(data)
+        except ValueError as e:
+            raise ValueError(f"recipe file {path}: {e}") from None
