@@ -71,3 +71,22 @@ def test_errors_name_the_tensor():
     recipe = QuantRecipe([QuantRule(".*", QuantConfig(bits=4, group_size=32))])
     with pytest.raises(ValueError, match=r"model\.bad\.weight"):
         list(quantize_stream([("model.bad.weight", torch.randn(4, 48))], recipe))
+
+
+def test_module_of_selects_non_weight_tensors_and_vetoes_others():
+    from llmq.quant import QuantConfig, QuantRecipe, QuantRule, GroupQuantizedWeight, quantize_stream
+
+    recipe = QuantRecipe([QuantRule(".*", QuantConfig(bits=4, group_size=16))])
+    g = torch.Generator().manual_seed(0)
+    items = [
+        ("layers.0.mlp.experts.gate_up_proj", torch.randn(2, 8, 32, generator=g)),
+        ("layers.0.mlp.down_proj.weight", torch.randn(8, 32, generator=g)),
+    ]
+
+    def module_of(name):
+        return name if name.endswith("_proj") else None  # experts yes, .weight tensors no
+
+    out = dict(quantize_stream(iter(items), recipe, module_of=module_of))
+    assert isinstance(out["layers.0.mlp.experts.gate_up_proj"], GroupQuantizedWeight)
+    assert out["layers.0.mlp.experts.gate_up_proj"].shape == (2, 8, 32)
+    assert isinstance(out["layers.0.mlp.down_proj.weight"], torch.Tensor)

@@ -1,0 +1,196 @@
+"""Gemma 4 text model (dense, ``gemma4_text``) in plain PyTorch, with prefill/decode caches.
+
+Module and parameter names equal transformers' ``Gemma4ForCausalLM`` state-dict names, so recipes
+written against HF names apply unchanged. Per layer (``config.layer_types``): sliding-window or full
+causal attention with RMS-normalised q and k (and scale-free-normalised v), attention scale 1, RoPE
+per layer type ("default" on sliding layers; "proportional" - only the first fraction of frequency
+pairs rotate, exponents over the full head - on full layers); full layers may use a wider head, fewer
+KV heads and K=V (no v_proj: values are the raw k_proj output). Sandwich norms around attention and
+the GeGLU MLP, a learned per-layer output scalar, embeddings scaled by sqrt(hidden), a tied LM head
+and tanh soft-capping of the final logits.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.common.cache import KVCache, ModelCache, attention
+from models.common.rope import apply_rope, rope_cos_sin
+from models.gemma4.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) * weight (weight used as stored, no +1), in float32; ``with_scale=False``: no weight."""
+
+    def __init__(self, dim: int, eps: float, with_scale: bool = True):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim)) if with_scale else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
+        if self.weight is not None:
+            xf = xf * self.weight.float()
+        return xf.to(x.dtype)
+
+
+def rope_inv_freq(rope: dict, head_dim: int) -> torch.Tensor:
+    """Inverse frequencies (length head_dim/2, float32, CPU) for one layer type's rope parameters."""
+    theta = float(rope["rope_theta"])
+    if rope.get("rope_type", "default") == "default":
+        return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
+    # proportional: int(p * head_dim // 2) rotating pairs with exponents over the whole head, the rest frozen (0)
+    rotated = int(float(rope.get("partial_rotary_factor", 1.0)) * head_dim // 2)
+    inv = torch.zeros(head_dim // 2, dtype=torch.float32, device="cpu")
+    inv[:rotated] = 1.0 / (theta ** (torch.arange(0, 2 * rotated, 2, dtype=torch.int64, device="cpu").float() / head_dim))
+    return inv / float(rope.get("factor", 1.0))
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        geometry = config.layer_geometry[layer_idx]
+        self.is_sliding = config.layer_types[layer_idx] == "sliding_attention"
+        self.window = config.sliding_window if self.is_sliding else None
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = geometry.num_key_value_heads
+        self.head_dim = geometry.head_dim
+        d, bias = config.hidden_size, config.attention_bias
+        self.q_proj = nn.Linear(d, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=bias) if geometry.has_v_proj else None
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.v_norm = RMSNorm(self.head_dim, config.rms_norm_eps, with_scale=False)
+
+    def forward(self, hidden, cos, sin, position: int, cache: Optional[KVCache] = None) -> torch.Tensor:
+        batch, seq, _ = hidden.shape
+        shape = (batch, seq, -1, self.head_dim)
+        query = apply_rope(self.q_norm(self.q_proj(hidden).view(shape)).transpose(1, 2), cos, sin)
+        raw_key = self.k_proj(hidden).view(shape)
+        raw_value = self.v_proj(hidden).view(shape) if self.v_proj is not None else raw_key
+        key = apply_rope(self.k_norm(raw_key).transpose(1, 2), cos, sin)
+        value = self.v_norm(raw_value).transpose(1, 2)
+        key_start = position
+        if cache is not None:
+            key, value, key_start = cache.append(key, value)
+        out = attention(query, key, value, query_start=position, key_start=key_start, scaling=1.0, window=self.window)
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    """GeGLU: down(gelu_tanh(gate(x)) * up(x))."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_type = config.layer_types[layer_idx]
+        self.window = config.sliding_window if self.layer_type == "sliding_attention" else None
+        d, eps = config.hidden_size, config.rms_norm_eps
+        self.self_attn = Attention(config, layer_idx)
+        self.mlp = MLP(d, config.intermediate_size)
+        self.input_layernorm = RMSNorm(d, eps)
+        self.post_attention_layernorm = RMSNorm(d, eps)
+        self.pre_feedforward_layernorm = RMSNorm(d, eps)
+        self.post_feedforward_layernorm = RMSNorm(d, eps)
+        # A learned scalar in the checkpoint (HF keeps it as a persistent buffer; so do we, same name).
+        self.register_buffer("layer_scalar", torch.ones(1))
+
+    def new_state(self) -> KVCache:
+        return KVCache(window=self.window)
+
+    def forward(self, hidden, cos, sin, position: int, cache: Optional[KVCache] = None):
+        attn = self.self_attn(self.input_layernorm(hidden), cos, sin, position, cache)
+        hidden = hidden + self.post_attention_layernorm(attn)
+        mlp = self.mlp(self.pre_feedforward_layernorm(hidden))
+        hidden = hidden + self.post_feedforward_layernorm(mlp)
+        return hidden * self.layer_scalar
+
+
+class TextModel(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class Gemma4ForCausalLM(nn.Module):
+    """The text model plus (tied) LM head. ``forward(input_ids [B, S], cache=None) -> logits [B, S, V]``."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = TextModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.embed_scale = config.hidden_size**0.5
+        # Plain attributes (not buffers): derived from the config, never loaded, valid on meta models.
+        self.inv_freq = {}
+        for i, layer_type in enumerate(config.layer_types):
+            if layer_type not in self.inv_freq:
+                head_dim = config.layer_geometry[i].head_dim
+                self.inv_freq[layer_type] = rope_inv_freq(config.rope_parameters[layer_type], head_dim)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def new_cache(self, batch_size: int = 1) -> ModelCache:
+        return ModelCache(layers=[layer.new_state() for layer in self.model.layers])
+
+    def forward(self, input_ids: torch.Tensor, cache: Optional[ModelCache] = None) -> torch.Tensor:
+        position = 0 if cache is None else cache.position
+        embed = self.model.embed_tokens
+        # The scale is rounded to the weight dtype first, as in the reference (sqrt(5376) -> 73.5 in bf16).
+        hidden = embed(input_ids) * torch.tensor(self.embed_scale, dtype=embed.weight.dtype)
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device) + position
+        tables = {t: rope_cos_sin(f, positions, hidden.dtype) for t, f in self.inv_freq.items()}
+        for i, layer in enumerate(self.model.layers):
+            cos, sin = tables[layer.layer_type]
+            hidden = layer(hidden, cos, sin, position, None if cache is None else cache.layers[i])
+        if cache is not None:
+            cache.position += input_ids.shape[1]
+        logits = self.lm_head(self.model.norm(hidden))
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+
+def build_model(config: ModelConfig, device: str | torch.device = "meta", dtype: torch.dtype = torch.float32):
+    """Construct the model on ``device`` (meta: no memory) in ``dtype``; on a real device, random-initialised."""
+    with torch.device(device):
+        model = Gemma4ForCausalLM(config)
+    model = model.to(dtype=dtype)
+    if torch.device(device).type != "meta":
+        init_weights(model)
+    return model
+
+
+@torch.no_grad()
+def init_weights(model: Gemma4ForCausalLM, std: float = 0.02) -> None:
+    """Random init (norm weights and layer scalars 1, the rest normal(0, std)) for tests and the embedded default."""
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        else:
+            p.normal_(0.0, std)
+    for layer in model.model.layers:
+        layer.layer_scalar.fill_(1.0)
