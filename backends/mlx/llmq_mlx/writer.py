@@ -1,0 +1,206 @@
+"""Write a folder that mlx-lm loads offline with `mlx_lm.load(folder)`.
+
+Input is a stream of `(mlx_name, value)` pairs, already in MLX-native naming (the model
+pipelines own the HF -> MLX key maps, e.g. qwen3_5_moe's conv1d [C, K, 1] and +1 norms):
+
+* `value` a torch.Tensor: written as is (kept in high precision);
+* `value` an `MLXQuantizedWeight` (or a canonical `GroupQuantizedWeight`, packed here
+  with `pack_mlx_affine`'s defaults): `mlx_name` is the weight's name,
+  `<module>.weight` (or just `<module>`), and `<module>.weight/.scales/.biases` are written.
+
+Output:
+
+    model.safetensors                 (or model-0000i-of-0000n.safetensors + model.safetensors.index.json)
+    config.json                       the given config plus "quantization" (and its mirror
+                                      "quantization_config", as mlx-lm writes it)
+    tokenizer files                   copied through
+
+"quantization" holds the most common (group_size, bits, mode) as the global default,
+an entry `{"group_size", "bits", "mode"}` for every module that differs, and `false` for
+every module whose 2-D+ `.weight` was kept in high precision, so mlx-lm never guesses.
+
+Shards are flushed as they fill, so memory stays bounded by one shard. The folder is
+built under a temporary name and renamed into place when complete: an interrupted
+run never leaves a folder that looks finished. Same input -> byte-identical files.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Dict, Iterable, Optional, Sequence, Tuple, Union
+
+import torch
+
+from llmq.quant.formats import GroupQuantizedWeight
+
+from .affine import MLXQuantizedWeight, pack_mlx_affine
+
+DEFAULT_MAX_SHARD_BYTES = 5 << 30  # mlx-lm's own shard size
+TensorLike = Union[torch.Tensor, MLXQuantizedWeight, GroupQuantizedWeight]
+
+
+def _module_path(name: str) -> str:
+    return name[: -len(".weight")] if name.endswith(".weight") else name
+
+
+def quantization_section(params: Dict[str, Dict[str, object]], kept: Sequence[str]) -> Optional[dict]:
+    """Build config.json's "quantization" from per-module params and the kept module paths.
+
+    Returns None when nothing is quantized (mlx-lm then loads a plain model).
+    """
+    if not params:
+        return None
+    counts = collections.Counter(tuple(sorted(p.items())) for p in params.values())
+    # most common first; ties go to the first module written (Counter keeps insertion order)
+    default = dict(counts.most_common(1)[0][0])
+    section: Dict[str, object] = {
+        "group_size": default["group_size"],
+        "bits": default["bits"],
+        "mode": default["mode"],
+    }
+    for path, p in params.items():
+        if p != default:
+            section[path] = dict(p)
+    for path in kept:
+        if path in params:
+            continue
+        section[path] = False
+    return section
+
+
+class _ShardWriter:
+    """Accumulates tensors and flushes a safetensors shard whenever the next one would overflow."""
+
+    def __init__(self, folder: Path, max_shard_bytes: int):
+        self.folder = folder
+        self.max_shard_bytes = max_shard_bytes
+        self.pending: Dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.shard_files = []  # temporary names, in order
+        self.weight_map: Dict[str, int] = {}  # tensor name -> shard index
+        self.total_bytes = 0
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        if name in self.weight_map or name in self.pending:
+            raise ValueError(f"tensor {name!r} written twice")
+        nbytes = t.numel() * t.element_size()
+        if self.pending and self.pending_bytes + nbytes > self.max_shard_bytes:
+            self.flush()
+        self.pending[name] = t.detach().contiguous().cpu()
+        self.pending_bytes += nbytes
+        self.total_bytes += nbytes
+
+    def flush(self) -> None:
+        from safetensors.torch import save_file
+
+        if not self.pending:
+            return
+        index = len(self.shard_files)
+        path = self.folder / f"shard-{index:05d}.partial"
+        save_file(self.pending, str(path), metadata={"format": "mlx"})
+        for name in self.pending:
+            self.weight_map[name] = index
+        self.shard_files.append(path)
+        self.pending = {}
+        self.pending_bytes = 0
+
+    def finish(self) -> Sequence[str]:
+        """Flush, give the shards their final names, write the index if sharded."""
+        self.flush()
+        n = len(self.shard_files)
+        if n == 0:
+            raise ValueError("no tensors were written")
+        names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        for tmp, final in zip(self.shard_files, names):
+            os.replace(tmp, self.folder / final)
+        if n > 1:
+            index = {
+                "metadata": {"total_size": self.total_bytes},
+                "weight_map": {k: names[i] for k, i in sorted(self.weight_map.items())},
+            }
+            with open(self.folder / "model.safetensors.index.json", "w") as f:
+                json.dump(index, f, indent=2)
+                f.write("\n")
+        return names
+
+
+def write_mlx_lm_folder(
+    out_dir: Union[str, Path],
+    tensors: Iterable[Tuple[str, TensorLike]],
+    config: dict,
+    *,
+    tokenizer_files: Iterable[Union[str, Path]] = (),
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    overwrite: bool = False,
+) -> Path:
+    """Write an mlx-lm model folder (see the module docstring) and return its path.
+
+    `config` is the model's config.json content in mlx-lm's terms (`model_type` and
+    the model's hyper-parameters); any "quantization" in it is replaced by the one
+    derived from the tensors. Existing `out_dir` is an error unless `overwrite`.
+    """
+    out = Path(out_dir)
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"{out} already exists (pass overwrite=True to replace it)")
+    if not isinstance(config, dict) or "model_type" not in config:
+        raise ValueError("config must be a dict with a 'model_type' mlx-lm knows (e.g. 'llama', 'qwen3_moe')")
+    if max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+    tokenizer_files = [Path(p) for p in tokenizer_files]
+    for p in tokenizer_files:
+        if not p.is_file():
+            raise FileNotFoundError(f"tokenizer file {p} does not exist")
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the result should not be
+    try:
+        shards = _ShardWriter(tmp, max_shard_bytes)
+        params: Dict[str, Dict[str, object]] = {}
+        kept = []
+        for name, value in tensors:
+            if isinstance(value, GroupQuantizedWeight):
+                value = pack_mlx_affine(value, name=name)
+            if isinstance(value, MLXQuantizedWeight):
+                module = _module_path(name)
+                for key, t in value.named_tensors(module).items():
+                    shards.add(key, t)
+                params[module] = value.quant_params
+            elif isinstance(value, torch.Tensor):
+                shards.add(name, value)
+                if name.endswith(".weight") and value.dim() >= 2:
+                    kept.append(_module_path(name))
+            else:
+                raise TypeError(
+                    f"{name}: expected a torch.Tensor, MLXQuantizedWeight or GroupQuantizedWeight, "
+                    f"got {type(value).__name__}"
+                )
+        shards.finish()
+
+        cfg = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
+        section = quantization_section(params, kept)
+        if section is not None:
+            cfg["quantization"] = section
+            cfg["quantization_config"] = section
+        with open(tmp / "config.json", "w") as f:
+            json.dump(cfg, f, indent=2, sort_keys=True)
+            f.write("\n")
+        for p in tokenizer_files:
+            if p.name in ("config.json",) or p.name.startswith("model"):
+                raise ValueError(f"tokenizer file {p} would overwrite the model's own {p.name}")
+            shutil.copyfile(p, tmp / p.name)
+
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
