@@ -1,0 +1,38 @@
+"""Hugging Face quantized export: per-weight specs, the tensors a weight becomes, the
+quantization configs, and streaming writers for ModelOpt- and compressed-tensors-style folders.
+See docs/export.md."""
+
+from llmq.export.hf_config import (
+    build_compressed_tensors_config,
+    build_hf_quantization_config,
+    build_modelopt_hf_quant_config,
+)
+from llmq.export.shards import ShardWriter, save_shard
+from llmq.export.spec import (
+    ExportState,
+    WeightExportSpec,
+    compute_export_state,
+    make_spec,
+    merge_export_states,
+    select_export_state,
+)
+from llmq.export.tensors import dequantize_exported_tensors, export_quantized_weight_tensors
+from llmq.export.writer import ExportSummary, write_hf_quantized_checkpoint
+
+__all__ = [
+    "ExportState",
+    "ExportSummary",
+    "ShardWriter",
+    "WeightExportSpec",
+    "build_compressed_tensors_config",
+    "build_hf_quantization_config",
+    "build_modelopt_hf_quant_config",
+    "compute_export_state",
+    "dequantize_exported_tensors",
+    "export_quantized_weight_tensors",
+    "make_spec",
+    "merge_export_states",
+    "save_shard",
+    "select_export_state",
+    "write_hf_quantized_checkpoint",
+]

@@ -1,0 +1,120 @@
+"""Sharded safetensors output for the HF writers.
+
+Tensors are buffered until a shard is full, then written with one `save_shard` call, so
+memory stays bounded by the shard size. Shards get their final Hugging Face names
+(model-0000i-of-0000N.safetensors, or model.safetensors when there is one) and an
+index.json when the writer closes. A journal (progress.json) lists the completed shards, so
+an interrupted export can resume: `ShardWriter.resume` reloads it and `has(name)` tells the
+caller which tensors need not be produced again. `save_shard` is the single point where the bytes are
+written, so the bundle writer (llmq.checkpoint) can replace it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Callable, Dict, List, Mapping, Optional
+
+import torch
+from safetensors.torch import save_file
+
+
+def save_shard(path: str, tensors: Mapping[str, torch.Tensor], metadata: Optional[Dict[str, str]] = None) -> None:
+    """Write one safetensors file (the swappable low-level step)."""
+    save_file({k: v.contiguous() for k, v in tensors.items()}, path, metadata=metadata or {"format": "pt"})
+
+
+class ShardWriter:
+    """Collects (name, tensor) pairs into size-limited safetensors shards in `folder`."""
+
+    def __init__(self, folder: str, max_shard_bytes: int = 5 << 30, saver: Callable = save_shard):
+        if max_shard_bytes <= 0:
+            raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+        self.folder = folder
+        self.max_shard_bytes = max_shard_bytes
+        self.saver = saver
+        self._buffer: Dict[str, torch.Tensor] = {}
+        self._buffer_bytes = 0
+        self._shards: List[Dict[str, int]] = []  # per shard: name -> nbytes
+        self._seen = set()
+        self._done = set()  # names in shards completed by an earlier, interrupted run
+        self.total_bytes = 0
+        self.skipped = 0
+
+    JOURNAL = "progress.json"
+
+    @classmethod
+    def resume(cls, folder: str, max_shard_bytes: int, saver: Callable = save_shard) -> "ShardWriter":
+        """A writer that continues the shards journalled in `folder` (fresh if there is none)."""
+        writer = cls(folder, max_shard_bytes, saver)
+        path = os.path.join(folder, cls.JOURNAL)
+        if not os.path.exists(path):
+            return writer
+        with open(path) as f:
+            journal = json.load(f)
+        if journal.get("max_shard_bytes") != max_shard_bytes:
+            raise ValueError(f"{folder}: the interrupted export used max_shard_bytes={journal.get('max_shard_bytes')}, not {max_shard_bytes}; resume with the same settings or start over")
+        for i, shard in enumerate(journal["shards"]):
+            if not os.path.exists(writer._shard_path(i)):
+                raise ValueError(f"{folder}: journal lists shard {i} but its file is missing; start over")
+            writer._shards.append(dict(shard))
+            writer._done.update(shard)
+            writer.total_bytes += sum(shard.values())
+        return writer
+
+    def has(self, name: str) -> bool:
+        """True if `name` is already in a completed shard (of an interrupted run)."""
+        return name in self._done
+
+    def _shard_path(self, index: int) -> str:
+        return os.path.join(self.folder, f"shard-{index:05d}.tmp.safetensors")
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        if name in self._done:
+            self._done.discard(name)
+            self._seen.add(name)
+            self.skipped += 1
+            return
+        if name in self._seen:
+            raise ValueError(f"tensor {name!r} written twice")
+        self._seen.add(name)
+        nbytes = tensor.numel() * tensor.element_size()
+        if self._buffer and self._buffer_bytes + nbytes > self.max_shard_bytes:
+            self._flush()
+        self._buffer[name] = tensor
+        self._buffer_bytes += nbytes
+        self.total_bytes += nbytes
+
+    def _flush(self) -> None:
+        if not self._buffer:
+            return
+        index = len(self._shards)
+        partial = self._shard_path(index) + ".part"
+        self.saver(partial, self._buffer)
+        os.replace(partial, self._shard_path(index))  # a shard is either complete or absent
+        self._shards.append({k: v.numel() * v.element_size() for k, v in self._buffer.items()})
+        self._buffer, self._buffer_bytes = {}, 0
+        journal = os.path.join(self.folder, self.JOURNAL)
+        with open(journal + ".part", "w") as f:
+            json.dump({"max_shard_bytes": self.max_shard_bytes, "shards": self._shards}, f)
+        os.replace(journal + ".part", journal)
+
+    def close(self) -> List[str]:
+        """Write the last shard, give shards their final names, write the index. Returns the
+        shard file names."""
+        if self._done:
+            raise ValueError(f"{len(self._done)} tensor(s) of the interrupted export were not produced again (e.g. {sorted(self._done)[0]!r}); the input or recipe changed - start over")
+        self._flush()
+        count = len(self._shards)
+        if count == 0:
+            raise ValueError("no tensors were written")
+        names = ["model.safetensors"] if count == 1 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+        for i, final in enumerate(names):
+            os.replace(self._shard_path(i), os.path.join(self.folder, final))
+        os.remove(os.path.join(self.folder, self.JOURNAL))
+        if count > 1:
+            weight_map = {t: names[i] for i, shard in enumerate(self._shards) for t in sorted(shard)}
+            index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+            with open(os.path.join(self.folder, "model.safetensors.index.json"), "w") as f:
+                json.dump(index, f, indent=2)
+        return names

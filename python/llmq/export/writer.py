@@ -1,0 +1,274 @@
+"""Streaming writer for quantized Hugging Face folders (ModelOpt or compressed-tensors style).
+
+Input: an iterator of (hf_name, tensor) in checkpoint order, and a recipe (which module gets
+which format). Each 2-D ``<module>.weight`` the recipe quantizes becomes its exported tensors;
+fused stacked experts (``<prefix>.experts.gate_up_proj`` [E, 2I, H] and
+``<prefix>.experts.down_proj`` [E, H, I], transformers' layout) become per-expert
+``experts.<e>.{gate,up,down}_proj`` tensors, quantized; every other tensor passes through
+unchanged and any unquantized 2-D weight's module is listed as excluded (embeddings,
+lm_head, routers...). Fused siblings (q/k/v, gate/up) in a format with a tensor-level scale
+(NVFP4, per-tensor FP8) are held until the group is complete and share one global scale.
+
+Memory: one input tensor plus at most one sibling group plus one shard buffer. The folder is
+built under a temporary name (``.<name>.partial``) and renamed into place only when complete;
+completed shards are journalled so an interrupted run can resume (resume=True).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import time
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
+
+import torch
+
+from llmq.export.hf_config import build_hf_quantization_config, build_modelopt_hf_quant_config
+from llmq.export.shards import ShardWriter
+from llmq.export.spec import (
+    STYLES,
+    ExportState,
+    WeightExportSpec,
+    compute_export_state,
+    make_spec,
+    merge_export_states,
+    needs_tensor_amax,
+)
+from llmq.export.tensors import export_quantized_weight_tensors
+
+_SIBLINGS = {
+    "q_proj": ("qkv", ("q_proj", "k_proj", "v_proj")),
+    "k_proj": ("qkv", ("q_proj", "k_proj", "v_proj")),
+    "v_proj": ("qkv", ("q_proj", "k_proj", "v_proj")),
+    "gate_proj": ("gate_up", ("gate_proj", "up_proj")),
+    "up_proj": ("gate_up", ("gate_proj", "up_proj")),
+}
+# Modules kept in high precision whatever the recipe says, unless the caller passes
+# keep_unquantized=() (vLLM and TensorRT-LLM load these as plain layers): token embeddings,
+# the output head, MoE routers and shared-expert gates.
+DEFAULT_KEEP_UNQUANTIZED = (r".*embed_tokens", r".*lm_head", r".*\.mlp\.gate", r".*\.router", r".*shared_expert_gate")
+_FUSED_EXPERTS = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<proj>gate_up_proj|down_proj)(?:\.weight)?$")
+
+
+def recipe_lookup(recipe: Any) -> Callable[[str], Any]:
+    """fqn -> config or None, from a QuantRecipe-like (.get_config), a mapping of exact module
+    fqns, or a callable."""
+    if hasattr(recipe, "get_config"):
+        return recipe.get_config
+    if isinstance(recipe, Mapping):
+        return lambda fqn: recipe.get(fqn)
+    if callable(recipe):
+        return recipe
+    raise ValueError(f"recipe must be a QuantRecipe, a mapping fqn -> config, or a callable; got {type(recipe).__name__}")
+
+
+@dataclasses.dataclass
+class ExportSummary:
+    """What a writer run did (for the CLI's table and the benchmark)."""
+
+    folder: str
+    style: str
+    quantized_modules: int = 0
+    excluded_modules: List[str] = dataclasses.field(default_factory=list)
+    input_bytes: int = 0
+    output_bytes: int = 0
+    shards: List[str] = dataclasses.field(default_factory=list)
+    resumed_tensors: int = 0  # tensors taken from an interrupted run's completed shards
+    seconds: float = 0.0
+
+
+class _Exporter:
+    def __init__(self, lookup, style: str, input_amax: Mapping[str, float], shards: ShardWriter, keep=()):
+        self.lookup = lookup
+        self.keep = [re.compile(p) for p in keep]
+        self.style = style
+        self.input_amax = dict(input_amax or {})
+        self.shards = shards
+        self.specs: Dict[str, WeightExportSpec] = {}
+        self.excluded: List[str] = []
+        self.pending: Dict[Tuple[str, str], Dict[str, Tuple[torch.Tensor, WeightExportSpec]]] = {}
+
+    def spec_for(self, module: str) -> Optional[WeightExportSpec]:
+        if any(p.fullmatch(module) for p in self.keep):
+            return None
+        config = self.lookup(module)
+        if config is None:
+            return None
+        return make_spec(module, config, style=self.style, static_input_scale=module in self.input_amax)
+
+    def state_for(self, weight: torch.Tensor, spec: WeightExportSpec) -> ExportState:
+        return compute_export_state(weight, spec, self.input_amax.get(spec.module))
+
+    def emit(self, spec: WeightExportSpec, weight: torch.Tensor, state: ExportState) -> None:
+        if spec.module in self.specs:
+            raise ValueError(f"module {spec.module!r} exported twice")
+        self.specs[spec.module] = spec
+        names = list(spec.tensor_names().values())
+        if all(self.shards.has(n) for n in names):  # done by an interrupted run: skip the work
+            for n in names:
+                self.shards.add(n, None)
+            return
+        for name, t in export_quantized_weight_tensors(weight, spec, state).items():
+            self.shards.add(name, t)
+
+    def pass_through(self, name: str, tensor: torch.Tensor) -> None:
+        # Copy: a tensor from a memory-mapped reader keeps its whole file mapped (and its pages
+        # resident) for as long as the shard buffer holds it.
+        self.shards.add(name, None if self.shards.has(name) else tensor.clone())
+
+    # ---- one input tensor ---------------------------------------------------------------
+
+    def feed(self, name: str, tensor: torch.Tensor) -> None:
+        m = _FUSED_EXPERTS.match(name)
+        if m and tensor.dim() == 3:
+            self.feed_fused_experts(m.group("prefix"), m.group("proj"), name, tensor)
+            return
+        if not name.endswith(".weight") or tensor.dim() != 2:
+            self.pass_through(name, tensor)
+            return
+        module = name[: -len(".weight")]
+        spec = self.spec_for(module)
+        if spec is None:
+            self.excluded.append(module)
+            self.pass_through(name, tensor)
+            return
+        parent, _, leaf = module.rpartition(".")
+        if leaf in _SIBLINGS and needs_tensor_amax(spec):
+            kind, members = _SIBLINGS[leaf]
+            group = self.pending.setdefault((parent, kind), {})
+            group[leaf] = (tensor, spec)
+            if set(group) == set(members):
+                self.flush_group((parent, kind))
+            return
+        self.emit(spec, tensor, self.state_for(tensor, spec))
+
+    def flush_group(self, key) -> None:
+        """Export a sibling group; members sharing one format share one merged state."""
+        group = self.pending.pop(key)
+        by_format: Dict[Tuple, List[str]] = {}
+        for leaf, (_, spec) in group.items():
+            by_format.setdefault((spec.format, spec.granularity), []).append(leaf)
+        for leaves in by_format.values():
+            states = {leaf: self.state_for(*group[leaf]) for leaf in leaves}
+            merged = merge_export_states(list(states.values()))
+            for leaf in sorted(leaves):
+                weight, spec = group[leaf]
+                self.emit(spec, weight, merged)
+
+    def feed_fused_experts(self, prefix: str, proj: str, name: str, w: torch.Tensor) -> None:
+        """[E, 2I, H] gate_up (gate rows first, as transformers computes it) or [E, H, I] down
+        -> per-expert quantized tensors; never left in high precision without a recipe rule."""
+        n_experts = w.shape[0]
+        leaves = ("gate_proj", "up_proj") if proj == "gate_up_proj" else ("down_proj",)
+        if proj == "gate_up_proj" and w.shape[1] % 2:
+            raise ValueError(f"{name}: fused gate_up has an odd number of rows {w.shape[1]}")
+        rows = w.shape[1] // len(leaves)
+        for e in range(n_experts):
+            parts = {leaf: w[e, i * rows : (i + 1) * rows] for i, leaf in enumerate(leaves)}
+            specs = {leaf: self.spec_for(f"{prefix}.{e}.{leaf}") for leaf in leaves}
+            missing = [f"{prefix}.{e}.{leaf}" for leaf, s in specs.items() if s is None]
+            if missing:
+                raise ValueError(
+                    f"{name}: the recipe gives no quantization for expert module(s) {missing}; fused experts are "
+                    "never written unquantized silently - add a rule for them"
+                )
+            if len(leaves) == 2 and all(needs_tensor_amax(s) for s in specs.values()) and len({(s.format, s.granularity) for s in specs.values()}) == 1:
+                merged = merge_export_states([self.state_for(parts[l], specs[l]) for l in leaves])
+                states = {leaf: merged for leaf in leaves}
+            else:
+                states = {leaf: self.state_for(parts[leaf], specs[leaf]) for leaf in leaves}
+            for leaf in leaves:
+                self.emit(specs[leaf], parts[leaf], states[leaf])
+
+    def finish(self) -> None:
+        for key in list(self.pending):
+            self.flush_group(key)
+
+
+def write_hf_quantized_checkpoint(
+    out_dir: str,
+    tensors: Iterable[Tuple[str, torch.Tensor]],
+    recipe: Any,
+    *,
+    style: str = "modelopt",
+    config: Optional[Mapping[str, Any]] = None,
+    input_amax: Optional[Mapping[str, float]] = None,
+    kv_cache_quant_algo: Optional[str] = None,
+    max_shard_bytes: int = 5 << 30,
+    extra_files: Iterable[str] = (),
+    overwrite: bool = False,
+    resume: bool = False,
+    keep_unquantized: Iterable[str] = DEFAULT_KEEP_UNQUANTIZED,
+) -> ExportSummary:
+    """Write a quantized HF folder at out_dir, atomically.
+
+    tensors: (hf_name, tensor) pairs, streamed once. recipe: fqn -> config (see recipe_lookup).
+    config: the model's config.json dict; its "quantization_config" is replaced.
+    input_amax: module fqn -> activation amax, for static input scales (FP8 / NVFP4 W4A4).
+    extra_files: files copied into the folder (tokenizer, generation_config.json...).
+    keep_unquantized: module fqn regexes (re.fullmatch) kept in high precision whatever the
+    recipe says; default: embeddings, lm_head, MoE routers and shared-expert gates.
+    resume: continue an interrupted export of the same input and recipe to the same out_dir:
+    shards it completed are kept and their tensors are not quantized again (the result is
+    byte-identical to an uninterrupted run). With resume=False a failed run removes its
+    partial folder; with resume=True the partial folder is kept for the next attempt.
+    """
+    if style not in STYLES:
+        raise ValueError(f"style {style!r} unknown; expected one of {STYLES}")
+    out_dir = os.path.abspath(out_dir)
+    if os.path.exists(out_dir) and not overwrite:
+        raise FileExistsError(f"{out_dir} already exists; pass overwrite=True to replace it")
+    extra_files = list(extra_files)
+    for path in extra_files:
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"extra file {path} does not exist")
+    parent = os.path.dirname(out_dir)
+    os.makedirs(parent, exist_ok=True)
+    tmp = os.path.join(parent, f".{os.path.basename(out_dir)}.partial")
+    if os.path.exists(tmp) and not resume:
+        shutil.rmtree(tmp)
+    os.makedirs(tmp, exist_ok=True)
+    start = time.perf_counter()
+    summary = ExportSummary(folder=out_dir, style=style)
+    try:
+        shards = ShardWriter.resume(tmp, max_shard_bytes) if resume else ShardWriter(tmp, max_shard_bytes)
+        exporter = _Exporter(recipe_lookup(recipe), style, input_amax or {}, shards, keep=tuple(keep_unquantized))
+        for name, tensor in tensors:
+            if not isinstance(tensor, torch.Tensor):
+                raise ValueError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
+            summary.input_bytes += tensor.numel() * tensor.element_size()
+            exporter.feed(name, tensor)
+        exporter.finish()
+        if not exporter.specs:
+            raise ValueError("the recipe quantized no weight; nothing to export")
+        summary.shards = shards.close()
+        summary.output_bytes = shards.total_bytes
+        summary.resumed_tensors = shards.skipped
+        summary.quantized_modules = len(exporter.specs)
+        summary.excluded_modules = sorted(set(exporter.excluded))
+        _write_configs(tmp, exporter.specs, summary.excluded_modules, style, config, kv_cache_quant_algo)
+        for path in extra_files:
+            shutil.copy2(path, os.path.join(tmp, os.path.basename(path)))
+        if os.path.exists(out_dir):
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        if not resume:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    summary.seconds = time.perf_counter() - start
+    return summary
+
+
+def _write_configs(folder, specs, excluded, style, config, kv_cache_quant_algo) -> None:
+    cfg = dict(config or {})
+    cfg["quantization_config"] = build_hf_quantization_config(specs, style=style, exclude_modules=excluded, kv_cache_quant_algo=kv_cache_quant_algo)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2, sort_keys=True)
+    if style == "modelopt":
+        hf = build_modelopt_hf_quant_config(specs, exclude_modules=excluded, kv_cache_quant_algo=kv_cache_quant_algo)
+        with open(os.path.join(folder, "hf_quant_config.json"), "w") as f:
+            json.dump(hf, f, indent=2, sort_keys=True)
