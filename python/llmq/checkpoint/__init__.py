@@ -1,0 +1,54 @@
+"""Checkpoint I/O: stream tensors in (safetensors, HF folders, GGUF), stream bundles out.
+
+Public API (see docs/checkpoint.md):
+    iter_checkpoint, load_checkpoint, checkpoint_names   -- readers
+    save_bundle, load_bundle, iter_bundle, read_manifest -- the quantized output bundle
+    CheckpointError and its subclasses                    -- the only errors readers raise
+"""
+
+from llmq.checkpoint.bundle import (
+    BUNDLE_VERSION,
+    BundleWriter,
+    iter_bundle,
+    load_bundle,
+    read_manifest,
+    save_bundle,
+)
+from llmq.checkpoint.errors import (
+    BundleVersionError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    ChecksumError,
+    CorruptCheckpointError,
+    MissingTensorsError,
+    NonFiniteWeightError,
+    ResumeMismatchError,
+    TensorMismatchError,
+    UnsupportedCheckpointError,
+)
+from llmq.checkpoint.gguf_import import read_gguf_metadata
+from llmq.checkpoint.reader import LoadResult, checkpoint_names, iter_checkpoint, load_checkpoint
+
+__all__ = [
+    "BUNDLE_VERSION",
+    "BundleVersionError",
+    "BundleWriter",
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "ChecksumError",
+    "CorruptCheckpointError",
+    "LoadResult",
+    "MissingTensorsError",
+    "NonFiniteWeightError",
+    "ResumeMismatchError",
+    "TensorMismatchError",
+    "UnsupportedCheckpointError",
+    "checkpoint_names",
+    "iter_bundle",
+    "iter_checkpoint",
+    "load_bundle",
+    "load_checkpoint",
+    "read_gguf_metadata",
+    "read_manifest",
+    "save_bundle",
+]

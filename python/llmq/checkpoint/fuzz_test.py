@@ -1,0 +1,246 @@
+"""Mutation tests: thousands of corrupted files into the readers; only CheckpointError comes out.
+
+Each example mutates a small valid file (bit flips, overwritten 64-bit fields,
+truncation, insertions; positions biased towards the headers, where the parsing
+happens), reads it completely, and asserts that the reader either succeeds or raises
+CheckpointError -- never IndexError, struct.error, MemoryError, a numpy error, or a
+hang (each example runs under a 5 s alarm). Where the reader accepts a mutated
+safetensors file, the reference implementation (safetensors.safe_open) must accept it
+too and return the same tensors. Deterministic (derandomize) and bounded: about
+3,000 examples in all.
+"""
+
+import contextlib
+import json
+import os
+import signal
+import struct
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from safetensors.torch import save_file
+
+from llmq.checkpoint import CheckpointError, iter_checkpoint, load_bundle, save_bundle
+from llmq.quant.formats import GroupQuantizedWeight, pack_bits
+
+_FUZZ = settings(derandomize=True, database=None, deadline=None, print_blob=False,
+                 suppress_health_check=list(HealthCheck))
+
+
+def fuzz(n: int):
+    return settings(_FUZZ, max_examples=n)
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float):
+    def on_alarm(signum, frame):
+        raise TimeoutError(f"reader still running after {seconds} s (hang?)")
+
+    old = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def mutations(hot_bytes: int):
+    pos = st.one_of(st.integers(0, hot_bytes - 1), st.integers(0, 1 << 20))
+    return st.lists(st.one_of(
+        st.tuples(st.just("xor"), pos, st.integers(1, 255)),
+        st.tuples(st.just("u64"), pos, st.one_of(st.integers(0, 2 ** 64 - 1), st.integers(0, 4096))),
+        st.tuples(st.just("truncate"), pos, st.just(0)),
+        st.tuples(st.just("insert"), pos, st.binary(min_size=1, max_size=12)),
+        st.tuples(st.just("delete"), pos, st.integers(1, 16)),
+    ), min_size=1, max_size=3)
+
+
+def mutate(data: bytes, ops) -> bytes:
+    buf = bytearray(data)
+    for op, p, arg in ops:
+        p = p % (len(buf) + 1)
+        if op == "xor" and p < len(buf):
+            buf[p] ^= arg
+        elif op == "u64":
+            buf[p:p + 8] = struct.pack("<Q", arg)
+        elif op == "truncate":
+            del buf[p:]
+        elif op == "insert":
+            buf[p:p] = arg
+        elif op == "delete":
+            del buf[p:p + arg]
+    return bytes(buf)
+
+
+def read_all(path, **kw):
+    """Consume the reader fully; return the tensors or the CheckpointError."""
+    with time_limit(5.0):
+        try:
+            return dict(iter_checkpoint(path, **kw))
+        except CheckpointError as e:
+            return e
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("fuzz"))
+
+
+def seed_safetensors(workdir) -> bytes:
+    path = os.path.join(workdir, "seed.safetensors")
+    g = torch.Generator().manual_seed(0)
+    save_file({"a": torch.randn(3, 4, generator=g), "b": torch.arange(6, dtype=torch.int16),
+               "c": torch.randn(2, 2, generator=g).to(torch.bfloat16), "e": torch.zeros(0, 3)},
+              path, metadata={"format": "pt"})
+    return open(path, "rb").read()
+
+
+def check_against_reference(path, ours):
+    if isinstance(ours, CheckpointError):
+        return
+    from safetensors import safe_open
+
+    with safe_open(path, "pt") as f:  # the reference must accept what we accept ...
+        assert sorted(f.keys()) == sorted(ours)
+        for k in f.keys():  # ... and agree on every tensor
+            ref = f.get_tensor(k)
+            assert ref.dtype == ours[k].dtype and ref.shape == ours[k].shape
+            assert torch.equal(ref.view(torch.uint8), ours[k].view(torch.uint8)) if ref.numel() else True
+
+
+@fuzz(1000)
+@given(ops=mutations(hot_bytes=200))
+def test_mutated_safetensors(workdir, ops):
+    data = mutate(seed_safetensors.cache, ops)
+    path = os.path.join(workdir, "m.safetensors")
+    with open(path, "wb") as f:
+        f.write(data)
+    ours = read_all(path, nonfinite="allow")
+    check_against_reference(path, ours)
+
+
+_DTYPES = ["F32", "F16", "BF16", "I64", "U8", "BOOL", "F8_E4M3", "Q4", "", 7, None]
+
+
+@st.composite
+def headers(draw):
+    n = draw(st.integers(0, 3))
+    header, data_len = {}, 0
+    for i in range(n):
+        shape = draw(st.lists(st.one_of(st.integers(0, 5), st.integers(-3, 2 ** 63)), max_size=3))
+        lo = draw(st.integers(-2, 64))
+        hi = draw(st.one_of(st.integers(-2, 80), st.integers(0, 2 ** 64)))
+        header[f"t{i}"] = {"dtype": draw(st.sampled_from(_DTYPES)), "shape": shape, "data_offsets": [lo, hi]}
+        if draw(st.booleans()):
+            header[f"t{i}"][draw(st.sampled_from(["extra", "dtype", "shape"]))] = draw(
+                st.one_of(st.none(), st.integers(), st.text(max_size=3)))
+    if draw(st.booleans()):
+        header["__metadata__"] = draw(st.dictionaries(st.text(max_size=3), st.one_of(st.text(max_size=3),
+                                                                                      st.integers()), max_size=2))
+    data_len = draw(st.integers(0, 96))
+    return header, data_len
+
+
+@fuzz(700)
+@given(spec=headers())
+def test_structured_safetensors_headers(workdir, spec):
+    header, data_len = spec
+    raw = json.dumps(header).encode()
+    path = os.path.join(workdir, "h.safetensors")
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw + bytes(range(data_len % 256)) + b"\0" * max(0, data_len - 256))
+    ours = read_all(path, nonfinite="allow")
+    check_against_reference(path, ours)
+
+
+def seed_gguf(workdir):
+    import gguf
+
+    path = os.path.join(workdir, "seed.gguf")
+    rng = np.random.default_rng(0)
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_uint32("llama.block_count", 1)
+    w.add_array("tokenizer.ggml.tokens", ["a", "bb", "ccc"])
+    q4 = gguf.quants.quantize(rng.standard_normal((2, 64)).astype(np.float32), gguf.GGMLQuantizationType.Q4_0)
+    w.add_tensor("blk.0.q4", q4, raw_dtype=gguf.GGMLQuantizationType.Q4_0)
+    q6 = rng.integers(0, 256, size=(1, 210), dtype=np.uint8)
+    q6[:, 208:210] = np.array([[0x00, 0x3C]], dtype=np.uint8)  # d = 1.0
+    w.add_tensor("blk.0.q6", q6, raw_dtype=gguf.GGMLQuantizationType.Q6_K)
+    w.add_tensor("norm", rng.standard_normal(8).astype(np.float16))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return open(path, "rb").read()
+
+
+@fuzz(700)
+@given(ops=mutations(hot_bytes=400))
+def test_mutated_gguf(workdir, ops):
+    data = mutate(seed_gguf.cache, ops)
+    path = os.path.join(workdir, "m.gguf")
+    with open(path, "wb") as f:
+        f.write(data)
+    got = read_all(path, nonfinite="error")
+    if not isinstance(got, CheckpointError):
+        for v in got.values():
+            assert isinstance(v, (torch.Tensor, GroupQuantizedWeight))
+
+
+def seed_bundle(workdir):
+    out = os.path.join(workdir, "seed_bundle")
+    q = pack_bits(torch.arange(64).reshape(2, 32) % 16, 4)
+    w = GroupQuantizedWeight(qdata=q, scale=torch.ones(2, 1), bias=torch.zeros(2, 1), bits=4, group_size=32,
+                             shape=(2, 32))
+    save_bundle([("w", w), ("d", torch.ones(3, dtype=torch.bfloat16))], out, max_shard_bytes=64, fsync=False)
+    files = {n: open(os.path.join(out, n), "rb").read() for n in sorted(os.listdir(out))}
+    return files
+
+
+@fuzz(300)
+@given(target=st.sampled_from(["llmq_manifest.json", "model-00001.safetensors", "model-00002.safetensors"]),
+       ops=mutations(hot_bytes=300), verify=st.booleans())
+def test_mutated_bundles(workdir, target, ops, verify):
+    folder = os.path.join(workdir, "bundle")
+    os.makedirs(folder, exist_ok=True)
+    for name, data in seed_bundle.cache.items():
+        with open(os.path.join(folder, name), "wb") as f:
+            f.write(mutate(data, ops) if name == target else data)
+    with time_limit(5.0):
+        try:
+            load_bundle(folder, verify=verify)
+        except CheckpointError:
+            pass
+
+
+@st.composite
+def weight_maps(draw):
+    names = ["model-00001.safetensors", "../outside.safetensors", "/abs.safetensors", "missing.safetensors",
+             "", ".", "sub/../model-00001.safetensors", "model-00001.safetensors\x00x"]
+    wm = draw(st.dictionaries(st.sampled_from(["a", "b", "ghost"]),
+                              st.one_of(st.sampled_from(names), st.integers(), st.none()), max_size=3))
+    return draw(st.sampled_from([{"weight_map": wm}, wm, [wm], {"weight_map": [1]}, "x"]))
+
+
+@fuzz(300)
+@given(index=weight_maps())
+def test_mutated_index_json(workdir, index):
+    folder = os.path.join(workdir, "hf")
+    os.makedirs(folder, exist_ok=True)
+    save_file({"a": torch.zeros(2), "b": torch.ones(1)}, os.path.join(folder, "model-00001.safetensors"))
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+        json.dump(index, f)
+    got = read_all(folder)
+    if not isinstance(got, CheckpointError):
+        assert set(got) <= {"a", "b"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def seeds(workdir):
+    seed_safetensors.cache = seed_safetensors(workdir)
+    seed_gguf.cache = seed_gguf(workdir)
+    seed_bundle.cache = seed_bundle(workdir)

@@ -1,0 +1,363 @@
+"""iter_checkpoint / load_checkpoint on safetensors files and HF folders, and every refusal.
+
+Files are written by the reference writer (safetensors.torch.save_file) and then
+corrupted by hand, so the reader is checked against the format, not against itself.
+"""
+
+import json
+import os
+import struct
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from llmq.checkpoint import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    MissingTensorsError,
+    NonFiniteWeightError,
+    TensorMismatchError,
+    UnsupportedCheckpointError,
+    checkpoint_names,
+    iter_checkpoint,
+    load_checkpoint,
+)
+
+
+def tensors(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model.embed_tokens.weight": torch.randn(16, 8, generator=g).to(torch.bfloat16),
+        "model.layers.0.mlp.up_proj.weight": torch.randn(12, 8, generator=g).to(torch.bfloat16),
+        "model.layers.0.mlp.down_proj.weight": torch.randn(8, 12, generator=g).to(torch.bfloat16),
+        "model.norm.weight": torch.ones(8, dtype=torch.float32),
+        "model.rope.inv_freq": torch.arange(4, dtype=torch.int64),
+    }
+
+
+def write_hf_folder(folder, sd, n_shards=2):
+    os.makedirs(folder, exist_ok=True)
+    names = sorted(sd)
+    weight_map = {}
+    for i in range(n_shards):
+        shard = f"model-{i + 1:05d}-of-{n_shards:05d}.safetensors"
+        part = {n: sd[n] for n in names[i::n_shards]}
+        save_file(part, os.path.join(folder, shard), metadata={"format": "pt"})
+        weight_map.update({n: shard for n in part})
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": 0}, "weight_map": weight_map}, f)
+    return folder
+
+
+def raw_safetensors(header: dict, data: bytes = b"", header_len=None) -> bytes:
+    h = json.dumps(header).encode()
+    return struct.pack("<Q", len(h) if header_len is None else header_len) + h + data
+
+
+def test_single_file_round_trip(tmp_path):
+    sd = tensors()
+    save_file(sd, tmp_path / "m.safetensors")
+    got = dict(iter_checkpoint(tmp_path / "m.safetensors"))
+    assert got.keys() == sd.keys()
+    for k in sd:
+        assert got[k].dtype == sd[k].dtype and torch.equal(got[k], sd[k])
+
+
+def test_hf_folder_with_index_yields_every_tensor_once(tmp_path):
+    sd = tensors()
+    folder = write_hf_folder(tmp_path / "hf", sd, n_shards=3)
+    got = list(iter_checkpoint(folder))
+    assert sorted(n for n, _ in got) == sorted(sd)
+    for n, t in got:
+        assert torch.equal(t, sd[n])
+
+
+def test_hf_folder_single_model_safetensors(tmp_path):
+    sd = tensors()
+    os.makedirs(tmp_path / "hf")
+    save_file(sd, tmp_path / "hf" / "model.safetensors")
+    assert dict(iter_checkpoint(tmp_path / "hf")).keys() == sd.keys()
+
+
+def test_yielded_tensors_own_their_memory(tmp_path):
+    sd = tensors()
+    save_file(sd, tmp_path / "m.safetensors")
+    it = iter_checkpoint(tmp_path / "m.safetensors")
+    name, t = next(it)
+    t.add_(1)  # writable, not a view on a read-only map
+    assert not torch.equal(dict(iter_checkpoint(tmp_path / "m.safetensors"))[name], t)
+
+
+def test_key_map_renames_and_drops_without_reading(tmp_path, monkeypatch):
+    sd = tensors()
+    save_file(sd, tmp_path / "m.safetensors")
+    reads = []
+    from llmq.checkpoint.safetensors_io import SafetensorsFile
+    orig = SafetensorsFile.read
+    monkeypatch.setattr(SafetensorsFile, "read", lambda self, n: reads.append(n) or orig(self, n))
+
+    def key_map(n):
+        if n.endswith("inv_freq"):
+            return None
+        return n.removeprefix("model.")
+
+    got = dict(iter_checkpoint(tmp_path / "m.safetensors", key_map=key_map))
+    assert "embed_tokens.weight" in got and not any("inv_freq" in n for n in got)
+    assert "model.rope.inv_freq" not in reads
+    got2 = dict(iter_checkpoint(tmp_path / "m.safetensors", key_map={"model.norm.weight": "norm", "model.rope.inv_freq": None}))
+    assert "norm" in got2 and "model.rope.inv_freq" not in got2 and "model.embed_tokens.weight" in got2
+
+
+def test_key_map_collision_is_an_error(tmp_path):
+    save_file(tensors(), tmp_path / "m.safetensors")
+    with pytest.raises(TensorMismatchError, match="sends both"):
+        list(iter_checkpoint(tmp_path / "m.safetensors", key_map=lambda n: "same"))
+
+
+def test_tied_weights_declared(tmp_path):
+    sd = tensors()
+    save_file(sd, tmp_path / "m.safetensors")
+    tied = {"lm_head.weight": "model.embed_tokens.weight"}
+    got = list(iter_checkpoint(tmp_path / "m.safetensors", tied=tied))
+    d = dict(got)
+    assert d["lm_head.weight"] is d["model.embed_tokens.weight"]
+    assert checkpoint_names(tmp_path / "m.safetensors", tied=tied) == [n for n, _ in got]
+    with pytest.raises(MissingTensorsError, match="lm_head.weight"):
+        list(iter_checkpoint(tmp_path / "m.safetensors", tied={"lm_head.weight": "nope"}))
+
+
+def test_dtype_casts_only_high_precision_floats(tmp_path):
+    sd = tensors()
+    sd["fp8"] = torch.zeros(4, dtype=torch.float8_e4m3fn)
+    save_file(sd, tmp_path / "m.safetensors")
+    got = dict(iter_checkpoint(tmp_path / "m.safetensors", dtype=torch.float32))
+    assert got["model.embed_tokens.weight"].dtype == torch.float32
+    assert got["model.rope.inv_freq"].dtype == torch.int64
+    assert got["fp8"].dtype == torch.float8_e4m3fn
+
+
+def test_convert_hook_sees_final_names(tmp_path):
+    save_file(tensors(), tmp_path / "m.safetensors")
+    seen = []
+    got = dict(iter_checkpoint(tmp_path / "m.safetensors", key_map=lambda n: n.upper(),
+                               convert=lambda n, t: seen.append(n) or (None if "NORM" in n else t * 0)))
+    assert all(n.isupper() for n in seen) and "MODEL.NORM.WEIGHT" not in got
+    assert all(float(t.abs().sum()) == 0 for t in got.values())
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_nonfinite_policy(tmp_path, bad):
+    sd = tensors()
+    sd["model.layers.0.mlp.up_proj.weight"][3, 4] = bad
+    save_file(sd, tmp_path / "m.safetensors")
+    with pytest.raises(NonFiniteWeightError, match=r"up_proj.*(1 NaN and 0 Inf|0 NaN and 1 Inf)"):
+        list(iter_checkpoint(tmp_path / "m.safetensors"))
+    with pytest.warns(RuntimeWarning, match="up_proj"):
+        list(iter_checkpoint(tmp_path / "m.safetensors", nonfinite="warn"))
+    assert len(list(iter_checkpoint(tmp_path / "m.safetensors", nonfinite="allow"))) == len(sd)
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed_tokens = torch.nn.Embedding(16, 8, dtype=torch.bfloat16)
+        self.up_proj = torch.nn.Linear(8, 12, bias=False, dtype=torch.bfloat16)
+        self.down_proj = torch.nn.Linear(12, 8, bias=False, dtype=torch.bfloat16)
+        self.norm = torch.nn.Parameter(torch.ones(8))
+        self.lm_head = torch.nn.Linear(8, 16, bias=False, dtype=torch.bfloat16)
+        self.lm_head.weight = self.embed_tokens.weight  # tied
+        self.register_buffer("scratch", torch.zeros(3), persistent=False)
+
+
+def tiny_key_map(n):
+    return {"model.embed_tokens.weight": "embed_tokens.weight",
+            "model.layers.0.mlp.up_proj.weight": "up_proj.weight",
+            "model.layers.0.mlp.down_proj.weight": "down_proj.weight",
+            "model.norm.weight": "norm"}.get(n)
+
+
+def test_load_checkpoint_fills_meta_model_and_ties(tmp_path):
+    sd = tensors()
+    folder = write_hf_folder(tmp_path / "hf", sd)
+    with torch.device("meta"):
+        model = Tiny()
+    result = load_checkpoint(folder, model, key_map=tiny_key_map)
+    assert not result.missing and not result.unexpected
+    assert torch.equal(model.up_proj.weight, sd["model.layers.0.mlp.up_proj.weight"])
+    assert model.lm_head.weight is model.embed_tokens.weight and not model.lm_head.weight.is_meta
+    assert isinstance(model.norm, torch.nn.Parameter)
+    x = torch.tensor([[1, 2]])
+    assert model.lm_head(model.embed_tokens(x)).shape == (1, 2, 16)
+
+
+def test_load_checkpoint_names_missing_and_unexpected(tmp_path):
+    sd = tensors()
+    save_file(sd, tmp_path / "m.safetensors")
+    with torch.device("meta"):
+        model = Tiny()
+    with pytest.raises(MissingTensorsError) as e:
+        load_checkpoint(tmp_path / "m.safetensors", model, key_map=lambda n: None if "down" in n else tiny_key_map(n) or n)
+    msg = str(e.value)
+    assert "down_proj.weight" in msg and "model.rope.inv_freq" in msg and "m.safetensors" in msg
+    assert "scratch" not in msg  # non-persistent buffers are not expected from a checkpoint
+
+
+def test_load_checkpoint_checks_shape_and_dtype(tmp_path):
+    sd = tensors()
+    sd["model.layers.0.mlp.up_proj.weight"] = torch.zeros(12, 9, dtype=torch.bfloat16)
+    save_file(sd, tmp_path / "bad_shape.safetensors")
+    with torch.device("meta"):
+        model = Tiny()
+    with pytest.raises(TensorMismatchError, match=r"up_proj.weight.*\[12, 9\].*\[12, 8\]"):
+        load_checkpoint(tmp_path / "bad_shape.safetensors", model, key_map=tiny_key_map)
+    sd = tensors()
+    sd["model.norm.weight"] = sd["model.norm.weight"].half()
+    save_file(sd, tmp_path / "bad_dtype.safetensors")
+    with torch.device("meta"):
+        model = Tiny()
+    with pytest.raises(TensorMismatchError, match=r"norm.*float16.*float32"):
+        load_checkpoint(tmp_path / "bad_dtype.safetensors", model, key_map=tiny_key_map)
+
+
+# --- hostile and broken input ------------------------------------------------------------------------
+
+def corrupt_cases(tmp_path):
+    good = {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}
+    return {
+        "empty": b"",
+        "short": b"\x01\x02",
+        "huge_header_len": raw_safetensors(good, b"\0" * 8, header_len=1 << 60),
+        "header_past_eof": raw_safetensors(good, b"\0" * 8, header_len=10_000),
+        "not_json": struct.pack("<Q", 4) + b"nope",
+        "not_object": raw_safetensors([1, 2]),
+        "bad_dtype": raw_safetensors({"a": {"dtype": "Q4", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 8),
+        "negative_shape": raw_safetensors({"a": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}}, b"\0" * 8),
+        "offsets_past_eof": raw_safetensors({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 4),
+        "size_mismatch": raw_safetensors({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, b"\0" * 8),
+        "huge_tensor": raw_safetensors({"a": {"dtype": "F32", "shape": [1 << 40, 1 << 20],
+                                              "data_offsets": [0, 1 << 62]}}, b"\0" * 8),
+        "overlap": raw_safetensors({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                                    "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, b"\0" * 12),
+        "hole": raw_safetensors({"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}, b"\0" * 8),
+        "trailing": raw_safetensors(good, b"\0" * 12),
+        "duplicate_key": struct.pack("<Q", 2 * len(json.dumps(good)) - 1)
+        + (json.dumps(good)[:-1] + "," + json.dumps(good)[1:]).encode() + b"\0" * 8,
+        "bool_offsets": raw_safetensors({"a": {"dtype": "F32", "shape": [2], "data_offsets": [False, 8]}}, b"\0" * 8),
+    }
+
+
+@pytest.mark.parametrize("case", list(corrupt_cases(None)))
+def test_corrupt_safetensors_raise_checkpoint_error_naming_file(tmp_path, case):
+    data = corrupt_cases(tmp_path)[case]
+    path = tmp_path / f"{case}.safetensors"
+    path.write_bytes(data)
+    with pytest.raises(CheckpointError) as e:
+        list(iter_checkpoint(path))
+    assert str(path) in str(e.value)
+
+
+def test_huge_tensor_refused_before_allocating(tmp_path, monkeypatch):
+    path = tmp_path / "huge.safetensors"
+    path.write_bytes(corrupt_cases(tmp_path)["huge_tensor"])
+    import llmq.checkpoint.safetensors_io as sio
+    monkeypatch.setattr(sio, "alloc_bytes", lambda n: pytest.fail(f"allocated {n} bytes"))
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: pytest.fail("allocated"))
+    with pytest.raises(CorruptCheckpointError, match="tensor 'a'"):
+        list(iter_checkpoint(path))
+
+
+def test_index_pointing_outside_folder_or_missing(tmp_path):
+    sd = tensors()
+    folder = write_hf_folder(tmp_path / "hf", sd)
+    index = folder / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    save_file({"x": torch.zeros(1)}, tmp_path / "outside.safetensors")
+    for rel, err in (("../outside.safetensors", CorruptCheckpointError),
+                     ("/etc/passwd", CorruptCheckpointError),
+                     ("missing.safetensors", CheckpointNotFoundError)):
+        data["weight_map"]["model.norm.weight"] = rel
+        index.write_text(json.dumps(data))
+        with pytest.raises(err) as e:
+            list(iter_checkpoint(folder))
+        assert "model.norm.weight" in str(e.value) and "index.json" in str(e.value)
+    # a symlink that escapes is refused too
+    os.symlink(tmp_path / "outside.safetensors", folder / "link.safetensors")
+    data["weight_map"]["model.norm.weight"] = "link.safetensors"
+    index.write_text(json.dumps(data))
+    with pytest.raises(CorruptCheckpointError, match="outside"):
+        list(iter_checkpoint(folder))
+
+
+def test_index_naming_tensor_the_shard_lacks(tmp_path):
+    folder = write_hf_folder(tmp_path / "hf", tensors())
+    index = folder / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    data["weight_map"]["ghost.weight"] = data["weight_map"]["model.norm.weight"]
+    index.write_text(json.dumps(data))
+    with pytest.raises(TensorMismatchError, match="ghost.weight"):
+        list(iter_checkpoint(folder))
+
+
+def test_truncated_shard_fails_before_any_tensor_is_yielded(tmp_path):
+    folder = write_hf_folder(tmp_path / "hf", tensors(), n_shards=2)
+    last = sorted(p for p in os.listdir(folder) if p.endswith(".safetensors"))[-1]
+    data = (folder / last).read_bytes()
+    (folder / last).write_bytes(data[:-3])
+    it = iter_checkpoint(folder)
+    with pytest.raises(CorruptCheckpointError, match=last):
+        next(it)
+
+
+def test_missing_path_and_unknown_kinds(tmp_path):
+    with pytest.raises(CheckpointNotFoundError):
+        list(iter_checkpoint(tmp_path / "nope"))
+    (tmp_path / "empty_dir").mkdir()
+    with pytest.raises(CheckpointNotFoundError, match="model.safetensors"):
+        list(iter_checkpoint(tmp_path / "empty_dir"))
+    (tmp_path / "x.txt").write_text("hello")
+    with pytest.raises(UnsupportedCheckpointError):
+        list(iter_checkpoint(tmp_path / "x.txt"))
+
+
+def test_pickles_never_unpickle_arbitrary_objects(tmp_path):
+    import pickle
+
+    class Boom:
+        def __reduce__(self):
+            return (os.system, ("touch " + str(tmp_path / "pwned"),))
+
+    legacy = tmp_path / "legacy.bin"
+    legacy.write_bytes(pickle.dumps({"w": Boom()}))
+    with pytest.raises(UnsupportedCheckpointError, match="legacy"):
+        list(iter_checkpoint(legacy))
+    zipped = tmp_path / "evil.pt"
+    torch.save({"w": Boom()}, zipped)
+    with pytest.raises(UnsupportedCheckpointError, match="weights_only"):
+        list(iter_checkpoint(zipped))
+    assert not (tmp_path / "pwned").exists()
+    good = tmp_path / "pytorch_model.bin"
+    torch.save(tensors(), good)
+    got = dict(iter_checkpoint(good))
+    assert torch.equal(got["model.norm.weight"], tensors()["model.norm.weight"])
+
+
+def test_every_safetensors_dtype_reads_and_rebundles(tmp_path):
+    from llmq.checkpoint import load_bundle, save_bundle
+
+    sd = {"u16": torch.arange(5).to(torch.uint16), "u32": torch.arange(5).to(torch.uint32),
+          "u64": torch.arange(5).to(torch.uint64), "e8m0": torch.ones(4).to(torch.float8_e8m0fnu),
+          "e5m2": torch.ones(4).to(torch.float8_e5m2), "e4m3": torch.ones(4).to(torch.float8_e4m3fn),
+          "bool": torch.tensor([True, False]), "scalar": torch.tensor(3.0), "f64": torch.ones(2, dtype=torch.float64),
+          "i8": torch.tensor([-1, 2], dtype=torch.int8), "f16": torch.ones(3, dtype=torch.float16)}
+    save_file(sd, tmp_path / "all.safetensors")
+
+    def same(a, b):
+        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+            a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+    got = dict(iter_checkpoint(tmp_path / "all.safetensors"))
+    assert all(same(got[k], sd[k]) for k in sd)
+    back = load_bundle(save_bundle(got.items(), tmp_path / "b", fsync=False))
+    assert all(same(back[k], sd[k]) for k in sd)
