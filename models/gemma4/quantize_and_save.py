@@ -1,0 +1,7 @@
+"""bazel run //models/gemma4:quantize_and_save -- [--checkpoint=DIR] [--recipe=int4] [--out=DIR]"""
+
+from models.pipeline.quantize_and_save import main_for
+from models.gemma4.pipeline import ARCHITECTURE
+
+if __name__ == "__main__":
+    main_for(ARCHITECTURE)

@@ -1,0 +1,61 @@
+"""What the pipeline needs to know about one model architecture, in one place.
+
+Each model package (models/qwen, models/gemma4) fills an `Architecture`; the pipeline code
+never names a model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Dict, Optional
+
+import torch
+from torch import nn
+
+from llmq.quant import QuantRecipe
+
+
+@dataclasses.dataclass(frozen=True)
+class Architecture:
+    name: str
+    # A deterministic tiny HF config.json dict of this architecture (the embedded default).
+    tiny_hf_config: Callable[[], Dict[str, Any]]
+    config_from_hf: Callable[[Dict[str, Any]], Any]
+    build_model: Callable[..., nn.Module]  # (config, device=..., dtype=...) -> model
+    key_map: Callable[[str], Optional[str]]  # HF name -> model state name | None (skip)
+    # Per-expert HF tensors -> the model's stacked layout (None: the architecture has none).
+    is_per_expert: Optional[Callable[[str], bool]] = None
+    merge_experts: Optional[Callable[[Dict[str, torch.Tensor]], Dict[str, torch.Tensor]]] = None
+    # One model tensor -> the HF checkpoint tensors it is stored as (e.g. per-expert unstacking).
+    to_hf_tensors: Callable[[str, torch.Tensor], Dict[str, torch.Tensor]] = lambda name, t: {name: t}
+    # Adjusts the random embedded-default model where plain random init is unlike a trained model.
+    prepare_default: Callable[[nn.Module], None] = lambda model: None
+    presets: Dict[str, QuantRecipe] = dataclasses.field(default_factory=dict)
+    default_recipe: str = "int4"
+    # --backend=mlx: a module (models/<m>/mlx_export.py) with `mlx_tensors(name, value) -> [(mlx_name,
+    # value)]` and `mlx_config(hf_config) -> dict`, mapping to what mlx-lm loads (None: no MLX export).
+    mlx_export: Optional[Any] = None
+
+    def num_layers(self, config) -> int:
+        return int(config.num_hidden_layers)
+
+
+def quantizable_module(name: str) -> Optional[str]:
+    """The module fqn a recipe sees for a tensor name, or None if the tensor is never quantized.
+
+    `<module>.weight` matrices and fused expert stacks (`...experts.gate_up_proj`,
+    `...experts.down_proj`) are weights; biases, norms' vectors and other parameters are not.
+    """
+    if name.endswith(".weight"):
+        return name[: -len(".weight")]
+    if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+        return name
+    return None
+
+
+def recipe_files(folder: str) -> Dict[str, QuantRecipe]:
+    """`<folder>/<name>.json` recipe files as presets named `<name>` (int4, int8, mixed, ...)."""
+    import os
+
+    return {os.path.splitext(f)[0]: QuantRecipe.from_file(os.path.join(folder, f))
+            for f in sorted(os.listdir(folder)) if f.endswith((".json", ".yaml", ".yml"))}

@@ -1,0 +1,58 @@
+"""--backend=cuda: 4-bit weights in tinygemm's tile-packed layout (what
+`torch.ops.aten._weight_int4pack_mm` consumes), stacked experts in the per-expert layout.
+
+Each packed weight `<name>` is stored as three bundle tensors:
+    <name>.tinygemm_qdata           int32 [..., ceil(N/8), K/(16*T), 32, T/2]
+    <name>.tinygemm_scale_and_zero  bfloat16 [..., K/group, ceil(N/8)*8, 2]
+    <name>.tinygemm_shape           int64 [ndim] (the logical [..., N, K]; N is padded above)
+Weights tinygemm cannot hold (not 4-bit, K not a multiple of 32) stay canonical, so the
+bundle still loads everywhere. The bf16 scale_and_zero rounds scale and zero (docs/backends.md).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Iterable, Iterator, Tuple
+
+import torch
+
+from llmq.quant import GroupQuantizedWeight, pack_bits
+from llmq_cuda import TINYGEMM_INNER_K_TILES, TinygemmInt4Weight, pack_tinygemm_int4, unpack_tinygemm_int4
+
+_SUFFIXES = (".tinygemm_qdata", ".tinygemm_scale_and_zero", ".tinygemm_shape")
+
+
+def _inner_k_tiles(k: int):
+    """The widest tile (8, else 4, else 2 inner K tiles) whose span divides K, or None."""
+    for t in sorted(TINYGEMM_INNER_K_TILES, reverse=True):
+        if k % (16 * t) == 0:
+            return t
+    return None
+
+
+def pack_stream(items: Iterable[Tuple[str, object]]) -> Iterator[Tuple[str, object]]:
+    for name, value in items:
+        t = _inner_k_tiles(value.shape[-1]) if isinstance(value, GroupQuantizedWeight) else None
+        if t is None or value.bits != 4 or value.group_size not in (32, 64, 128, 256):
+            yield name, value
+            continue
+        packed = pack_tinygemm_int4(value, inner_k_tiles=t, name=name)
+        yield name + ".tinygemm_qdata", packed.qdata
+        yield name + ".tinygemm_scale_and_zero", packed.scale_and_zero
+        yield name + ".tinygemm_shape", torch.tensor(value.shape, dtype=torch.int64)
+
+
+def to_canonical(tensors: Dict[str, object]) -> Dict[str, object]:
+    """The inverse for verification: tinygemm entries back to canonical weights (with the
+    bf16-rounded scale and zero they carry), everything else unchanged."""
+    out = {n: v for n, v in tensors.items() if not n.endswith(_SUFFIXES)}
+    for name in [n[: -len(".tinygemm_qdata")] for n in tensors if n.endswith(".tinygemm_qdata")]:
+        qdata = tensors[name + ".tinygemm_qdata"]
+        sz = tensors[name + ".tinygemm_scale_and_zero"]
+        shape = tuple(tensors[name + ".tinygemm_shape"].tolist())
+        packed = TinygemmInt4Weight(qdata=qdata, scale_and_zero=sz, group_size=shape[-1] // sz.shape[-3],
+                                    inner_k_tiles=2 * qdata.shape[-1], shape=shape)
+        q, scale, zero = unpack_tinygemm_int4(packed)
+        scale = scale.float()
+        out[name] = GroupQuantizedWeight(qdata=pack_bits(q, 4), scale=scale, bias=zero.float() - 8 * scale,
+                                         bits=4, group_size=packed.group_size, shape=shape)
+    return out

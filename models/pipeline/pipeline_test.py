@@ -1,0 +1,85 @@
+"""End to end: the embedded default of each model through quantize_and_save's own path.
+
+Thresholds are issue 6's acceptance bars (logits cosine >= 0.95 for INT4, >= 0.99 for INT8).
+"""
+
+import hashlib
+import os
+
+import pytest
+import torch
+
+from llmq.checkpoint import load_bundle
+from llmq.quant import GroupQuantizedWeight
+from models.gemma4.pipeline import ARCHITECTURE as GEMMA4
+from models.pipeline.default_model import write_default_checkpoint
+from models.pipeline.quantize_and_save import UsageError, run
+from models.qwen.pipeline import ARCHITECTURE as QWEN
+
+
+def _run(arch, tmp_path, recipe, out="out", checkpoint=None, backend="bundle"):
+    return run(arch, checkpoint=checkpoint, recipe=recipe, backend=backend, out=str(tmp_path / out), resume=True,
+               max_shard_size=1 << 20, verify=True, seed=0, progress=False)
+
+
+@pytest.mark.parametrize("arch,recipe,min_cosine", [
+    (QWEN, "int4", 0.95), (QWEN, "int8", 0.99), (QWEN, "mixed", 0.95),
+    (GEMMA4, "int4", 0.95), (GEMMA4, "int8", 0.99), (GEMMA4, "mixed", 0.95),
+])
+def test_embedded_default_quality(arch, recipe, min_cosine, tmp_path):
+    result = _run(arch, tmp_path, recipe)
+    print(f"{arch.name} {recipe}: cosine {result['cosine']:.5f} SQNR {result['sqnr_db']:.1f} dB")
+    assert result["quantized"] > 0
+    assert result["bytes_out"] < result["bytes_in"]
+    assert result["cosine"] >= min_cosine
+
+
+def test_qwen_fused_experts_are_quantized_stacks(tmp_path):
+    result = _run(QWEN, tmp_path, "int4")
+    tensors = load_bundle(result["bundle"])
+    experts = {n: v for n, v in tensors.items() if n.endswith((".experts.gate_up_proj", ".experts.down_proj"))}
+    assert len(experts) == 2 * 4  # two stacks per layer, four layers
+    for name, value in experts.items():
+        assert isinstance(value, GroupQuantizedWeight), name
+        assert value.shape[0] == 16 and value.bits == 4, name
+    kept = [n for n in tensors if "embed_tokens" in n or n.endswith(".mlp.gate.weight") or "norm" in n]
+    assert kept and all(isinstance(tensors[n], torch.Tensor) for n in kept)
+
+
+def _digest(folder):
+    h = hashlib.sha256()
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".safetensors"):
+            with open(os.path.join(folder, name), "rb") as f:
+                h.update(name.encode() + f.read())
+    return h.hexdigest()
+
+
+def test_same_input_same_bytes(tmp_path):
+    checkpoint = write_default_checkpoint(QWEN, str(tmp_path / "ckpt"), seed=3)
+    first = _run(QWEN, tmp_path, "mixed", out="a", checkpoint=checkpoint)["bundle"]
+    second = _run(QWEN, tmp_path, "mixed", out="b", checkpoint=checkpoint)["bundle"]
+    assert _digest(first) == _digest(second)
+
+
+def test_bad_recipe_and_missing_folder_are_usage_errors(tmp_path):
+    with pytest.raises(UsageError, match="neither a known preset"):
+        _run(QWEN, tmp_path, "no-such-recipe")
+    with pytest.raises(UsageError, match="no such folder"):
+        _run(QWEN, tmp_path, "int4", checkpoint=str(tmp_path / "missing"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UsageError, match="no config.json"):
+        _run(QWEN, tmp_path, "int4", checkpoint=str(tmp_path / "empty"))
+
+
+def test_cuda_backend_packs_tinygemm_tiles_and_reloads(tmp_path):
+    result = _run(QWEN, tmp_path, "int4", backend="cuda")
+    tensors = load_bundle(result["bundle"])
+    qdata = tensors["model.layers.0.mlp.experts.gate_up_proj.tinygemm_qdata"]
+    assert qdata.dtype == torch.int32 and qdata.shape[0] == 16  # per-expert tiles, experts leading
+    assert tensors["model.layers.0.mlp.experts.gate_up_proj.tinygemm_scale_and_zero"].dtype == torch.bfloat16
+    assert "model.layers.0.mlp.experts.gate_up_proj" not in tensors
+    # Only bf16 rounding of scale and zero separates it from the canonical bundle's quality.
+    assert result["cosine"] >= 0.95
+    canonical = _run(QWEN, tmp_path, "int4", out="canonical")
+    assert abs(result["cosine"] - canonical["cosine"]) < 1e-3

@@ -1,0 +1,271 @@
+"""quantize_and_save: read -> recipe -> quantize -> pack(backend) -> save, then reload and check.
+
+Each model package calls `main_for(ARCHITECTURE)`. With no --checkpoint the embedded default
+runs: a tiny deterministic model of the architecture is written as an HF checkpoint in a
+temporary folder and goes through the same path a real checkpoint does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import tempfile
+import time
+from typing import Dict, Iterable, Iterator, Optional, Tuple
+
+import torch
+from absl import app, flags
+
+from llmq.checkpoint import CheckpointError, checkpoint_names, iter_checkpoint, load_bundle, save_bundle
+from llmq.quant import GroupQuantizedWeight, QuantRecipe, load_recipe, quantize_stream, register_preset
+from models.pipeline.arch import Architecture, quantizable_module
+from models.pipeline.default_model import write_default_checkpoint
+from models.pipeline.quantized_model import build_quantized_model
+from models.pipeline.report import compare_logits, format_table
+from models.pipeline.streaming import merge_experts_stream
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("checkpoint", None, "Hugging Face checkpoint folder (config.json + safetensors). "
+                    "Omit to run the embedded default tiny model.")
+flags.DEFINE_string("recipe", None, "Recipe preset name (see --list_recipes) or a JSON/YAML recipe file.")
+flags.DEFINE_enum("backend", "bundle", ["bundle", "cuda", "mlx"], "Terminal packer: bundle = portable llmq bundle "
+                  "(canonical weights); cuda = tinygemm int4 tiles in the bundle; mlx = a folder mlx_lm.load runs.")
+flags.DEFINE_string("out", None, "Output folder (default: out/<arch>-<recipe>; a temp folder for the embedded default).")
+flags.DEFINE_boolean("resume", True, "Reuse finished shards of an interrupted run into the same --out.")
+flags.DEFINE_integer("max_shard_size", 2 << 30, "Maximum bytes per output shard.", lower_bound=1 << 16)
+flags.DEFINE_boolean("verify", None, "Reload the output and compare logits with the unquantized model "
+                     "(default: on for checkpoints under 4 GiB).")
+flags.DEFINE_integer("seed", 0, "Seed of the embedded default model and of the verification prompt.")
+flags.DEFINE_boolean("list_recipes", False, "Print the recipe presets and exit.")
+flags.DEFINE_boolean("progress", None, "Show progress bars (default: when stderr is a terminal).")
+
+VERIFY_LIMIT_BYTES = 4 << 30
+
+
+class UsageError(Exception):
+    """A bad flag or path: reported as one line, exit status 2."""
+
+
+class _Tally:
+    """Counts what flows through the stream: tensors, quantized tensors, bytes in and out."""
+
+    def __init__(self):
+        self.tensors = self.quantized = self.bytes_in = self.bytes_out = 0
+
+    @staticmethod
+    def _nbytes(value) -> int:
+        if isinstance(value, GroupQuantizedWeight):
+            return value.nbytes
+        return value.numel() * value.element_size()
+
+    def before(self, items):
+        for name, value in items:
+            self.bytes_in += self._nbytes(value)
+            yield name, value
+
+    def after(self, items):
+        for name, value in items:
+            self.tensors += 1
+            self.quantized += isinstance(value, GroupQuantizedWeight)
+            self.bytes_out += self._nbytes(value)
+            yield name, value
+
+
+def _progress(items, total: int, desc: str, enabled: bool):
+    if not enabled:
+        return items
+    from tqdm import tqdm
+
+    return tqdm(items, total=total, desc=desc, unit="tensor", file=sys.stderr, leave=False)
+
+
+def _read_hf_config(folder: str) -> Dict:
+    path = os.path.join(folder, "config.json")
+    if not os.path.isfile(path):
+        raise UsageError(f"--checkpoint {folder}: no config.json (expected a Hugging Face checkpoint folder)")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise UsageError(f"{path}: not valid JSON ({e})") from None
+
+
+def _checkpoint_bytes(folder: str) -> int:
+    return sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder) if f.endswith(".safetensors"))
+
+
+def model_tensors(arch: Architecture, folder: str, config) -> Iterator[Tuple[str, torch.Tensor]]:
+    """The checkpoint as a stream of model-layout tensors (renamed, experts stacked per layer)."""
+    stream = iter_checkpoint(folder, key_map=arch.key_map)
+    return merge_experts_stream(stream, arch, getattr(config, "num_experts", 0))
+
+
+def run(arch: Architecture, *, checkpoint: Optional[str], recipe: Optional[str], backend: str, out: Optional[str],
+        resume: bool, max_shard_size: int, verify: Optional[bool], seed: int, progress: bool) -> Dict:
+    """The whole job; returns the numbers it printed (for tests)."""
+    for name, preset in arch.presets.items():
+        register_preset(name, preset, overwrite=True)
+    recipe_name = recipe or arch.default_recipe
+    try:
+        quant_recipe: QuantRecipe = load_recipe(recipe_name)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+    with contextlib.ExitStack() as stack:
+        embedded = checkpoint is None
+        if embedded:
+            workdir = stack.enter_context(tempfile.TemporaryDirectory(prefix=f"llmq-{arch.name}-"))
+            checkpoint = write_default_checkpoint(arch, os.path.join(workdir, "checkpoint"), seed=seed)
+            out = out or os.path.join(workdir, "out")
+            print(f"[embedded default] tiny deterministic {arch.name} model (seed {seed}) written to {checkpoint}")
+        elif not os.path.isdir(checkpoint):
+            raise UsageError(f"--checkpoint {checkpoint}: no such folder")
+        out = out or _user_path(os.path.join("out", f"{arch.name}-{os.path.basename(recipe_name)}"))
+        hf_config = _read_hf_config(checkpoint)
+        try:
+            config = arch.config_from_hf(hf_config)
+        except (ValueError, KeyError, NotImplementedError) as e:
+            raise UsageError(f"{checkpoint}/config.json: not a supported {arch.name} config ({e})") from None
+
+        if verify is None:
+            verify = embedded or _checkpoint_bytes(checkpoint) < VERIFY_LIMIT_BYTES
+        tally = _Tally()
+        total = len(checkpoint_names(checkpoint))
+        start = time.perf_counter()
+        stream = tally.before(model_tensors(arch, checkpoint, config))
+        stream = quantize_stream(stream, quant_recipe, num_layers=arch.num_layers(config), module_of=quantizable_module)
+        stream = _progress(tally.after(stream), total, "quantize", progress)
+        reload = load_bundle
+        if backend == "cuda":
+            from models.pipeline import cuda_backend
+
+            stream = cuda_backend.pack_stream(stream)
+            reload = lambda path: cuda_backend.to_canonical(load_bundle(path))  # noqa: E731
+        elif backend == "mlx":
+            # The folder is mlx-lm's, not a bundle: verification runs our model on the same quantized
+            # tensors, kept from the stream (verify is on only for small checkpoints).
+            quantized_tensors: Dict = {}
+            if verify:
+                stream = _keep(stream, quantized_tensors)
+            reload = lambda path: quantized_tensors  # noqa: E731
+        elif backend != "bundle":
+            raise UsageError(f"--backend {backend!r} unknown; expected bundle, cuda or mlx")
+        if backend == "mlx":
+            bundle = _write_mlx(arch, stream, out, hf_config, checkpoint, embedded, config, max_shard_size)
+        else:
+            bundle = save_bundle(stream, out, recipe=quant_recipe, max_shard_bytes=max_shard_size, resume=resume,
+                                 metadata={"architecture": arch.name, "backend": backend, "recipe": recipe_name})
+        seconds = time.perf_counter() - start
+
+        rows = [
+            ("architecture", arch.name),
+            ("recipe", recipe_name),
+            ("backend", backend),
+            ("output", bundle),
+            ("tensors written", f"{tally.tensors} ({tally.quantized} quantized)"),
+            ("bytes before", f"{tally.bytes_in:,}"),
+            ("bytes after", f"{tally.bytes_out:,} ({tally.bytes_out / max(tally.bytes_in, 1):.3f}x)"),
+            ("time", f"{seconds:.2f} s"),
+        ]
+        result = {"bundle": bundle, "tensors": tally.tensors, "quantized": tally.quantized,
+                  "bytes_in": tally.bytes_in, "bytes_out": tally.bytes_out}
+        if verify:
+            reference = build_quantized_model(arch.build_model(config, device="meta"),
+                                              dict(model_tensors(arch, checkpoint, config)))
+            quantized = build_quantized_model(arch.build_model(config, device="meta"), reload(bundle))
+            check = compare_logits(reference, quantized, vocab_size=config.vocab_size, seed=seed)
+            result.update(check)
+            rows += [
+                ("logits cosine", f"{check['cosine']:.5f}"),
+                ("logits SQNR", f"{check['sqnr_db']:.1f} dB"),
+                ("greedy (unquantized)", " ".join(map(str, check["tokens_reference"]))),
+                ("greedy (quantized)", " ".join(map(str, check["tokens_quantized"]))),
+            ]
+            if backend == "mlx":
+                from models.pipeline import mlx_backend
+
+                mlx_check = mlx_backend.compare_with_mlx(bundle, reference, quantized, vocab_size=config.vocab_size,
+                                                         seed=seed)
+                result["mlx"] = mlx_check
+                ours, ref = mlx_check["mlx_vs_quantized"], mlx_check["mlx_vs_reference"]
+                rows += [  # all three models evaluated in float32 (see mlx_backend.compare_with_mlx)
+                    ("mlx-lm vs ours (fp32)", f"cosine {ours['cosine']:.6f}, SQNR {ours['sqnr_db']:.1f} dB, "
+                                              f"max |diff| {ours['max_abs_error']:.2e}"),
+                    ("mlx-lm vs unquantized (fp32)", f"cosine {ref['cosine']:.5f}, SQNR {ref['sqnr_db']:.1f} dB"),
+                ]
+        print(format_table(rows))
+        if embedded:
+            print("[embedded default] pass --checkpoint=<HF folder> to quantize a real model")
+        return result
+
+
+def _keep(items, into: Dict):
+    """Pass the stream through, remembering each (name, value) in `into`."""
+    for name, value in items:
+        into[name] = value
+        yield name, value
+
+
+def _write_mlx(arch: Architecture, stream, out: str, hf_config: Dict, checkpoint: str, embedded: bool, config,
+               max_shard_size: int) -> str:
+    """--backend=mlx: write the mlx-lm folder (tokenizer: a tiny offline one for the embedded default,
+    the checkpoint's own files otherwise)."""
+    from models.pipeline import mlx_backend
+
+    if arch.mlx_export is None:
+        raise UsageError(f"--backend mlx: no MLX export for {arch.name}")
+    if os.path.exists(out):
+        raise UsageError(f"--out {out} already exists; an MLX folder is written whole: remove it or pick another --out")
+    if embedded:
+        tokenizer = mlx_backend.write_tiny_tokenizer(checkpoint, config.vocab_size)
+    else:
+        tokenizer = mlx_backend.tokenizer_files(checkpoint)
+        if not mlx_backend.has_tokenizer(checkpoint):
+            print(f"note: {checkpoint} has no tokenizer files; mlx_lm.load({out}) will need them copied in")
+    try:
+        return str(mlx_backend.write_mlx_folder(out, stream, arch, hf_config, tokenizer=tokenizer,
+                                                max_shard_bytes=max_shard_size))
+    except ValueError as e:  # a config or tensor mlx-lm cannot express
+        raise UsageError(f"--backend mlx: {e}") from None
+
+
+def _user_path(path: Optional[str]) -> Optional[str]:
+    """`bazel run` starts the binary in its runfiles tree: relative paths mean the user's cwd."""
+    base = os.environ.get("BUILD_WORKING_DIRECTORY")
+    if path is None or base is None or os.path.isabs(path):
+        return path
+    return os.path.join(base, os.path.expanduser(path))
+
+
+def main_for(arch: Architecture) -> None:
+    """absl entry point of a model's quantize_and_save binary."""
+
+    def _main(argv):
+        if len(argv) > 1:
+            print(f"error: unexpected arguments {argv[1:]} (flags are --name=value)", file=sys.stderr)
+            return 2
+        if FLAGS.list_recipes:
+            for name, preset in arch.presets.items():
+                register_preset(name, preset, overwrite=True)
+            from llmq.quant import PRESETS
+
+            print("\n".join(sorted(PRESETS)))
+            return 0
+        progress = sys.stderr.isatty() if FLAGS.progress is None else FLAGS.progress
+        try:
+            recipe = FLAGS.recipe
+            if recipe and os.path.sep in recipe:
+                recipe = _user_path(recipe)
+            run(arch, checkpoint=_user_path(FLAGS.checkpoint), recipe=recipe, backend=FLAGS.backend,
+                out=_user_path(FLAGS.out),
+                resume=FLAGS.resume, max_shard_size=FLAGS.max_shard_size, verify=FLAGS.verify, seed=FLAGS.seed,
+                progress=progress)
+        except (UsageError, CheckpointError, FileExistsError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        return 0
+
+    # absl reports bad flags itself (one "FATAL Flags parsing error" line, exit 1).
+    app.run(lambda argv: sys.exit(_main(argv)))

@@ -1,0 +1,127 @@
+"""Rebuild a runnable model from quantized tensors (a reloaded bundle).
+
+The model is built on the meta device; each quantized weight swaps its module for one that
+holds the canonical fields (QuantizedLinear / QuantizedEmbedding / QuantizedExperts) and
+dequantizes inside forward; every other tensor is assigned as is. Anything the model expects
+that the tensors do not provide is named in the error.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmq.quant import GroupQuantizedWeight, QuantizedEmbedding, QuantizedLinear
+from llmq.quant.modules import dequantize_graph
+
+Value = Union[torch.Tensor, GroupQuantizedWeight]
+
+
+class _StackedQuantized(nn.Module):
+    """Buffers of one stacked [E, N, K] canonical weight."""
+
+    def __init__(self, qw: GroupQuantizedWeight):
+        super().__init__()
+        self.bits, self.group_size, self.k = qw.bits, qw.group_size, qw.shape[-1]
+        self.register_buffer("qdata", qw.qdata.clone())
+        self.register_buffer("scale", qw.scale.clone())
+        self.register_buffer("bias", qw.bias.clone())
+
+    def expert(self, e: int) -> torch.Tensor:
+        """float32 weight of one expert: only that slice is ever dequantized."""
+        return dequantize_graph(self.qdata[e], self.scale[e], self.bias[e], self.bits, self.group_size, self.k)
+
+
+class QuantizedExperts(nn.Module):
+    """Drop-in for a model's stacked `Experts` (gate_up_proj [E, 2F, D], down_proj [E, D, F])
+    whose weights are quantized; forward has the same signature and math."""
+
+    def __init__(self, gate_up: Value, down: Value):
+        super().__init__()
+        self.num_experts = gate_up.shape[0]
+        self.gate_up = self._hold(gate_up)
+        self.down = self._hold(down)
+
+    @staticmethod
+    def _hold(value: Value) -> nn.Module:
+        if isinstance(value, GroupQuantizedWeight):
+            return _StackedQuantized(value)
+        holder = nn.Module()
+        holder.weight = nn.Parameter(value.detach().float(), requires_grad=False)
+        holder.expert = lambda e, w=holder.weight: w[e]
+        return holder
+
+    def _expert(self, x: torch.Tensor, e: int) -> torch.Tensor:
+        gate, up = F.linear(x, self.gate_up.expert(e).to(x.dtype)).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down.expert(e).to(x.dtype))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        if torch.compiler.is_exporting():  # static shapes: every expert, zero weight where not routed
+            per_expert = torch.zeros(x.shape[0], self.num_experts, dtype=weights.dtype).scatter_add(1, index, weights)
+            for e in range(self.num_experts):
+                out = out + self._expert(x, e) * per_expert[:, e, None]
+            return out
+        for e in torch.unique(index).tolist():
+            token, slot = torch.where(index == e)
+            y = self._expert(x[token], e)
+            out.index_add_(0, token, (y * weights[token, slot, None]).to(out.dtype))
+        return out
+
+
+def _set_module(model: nn.Module, path: str, module: nn.Module) -> None:
+    parent, _, child = path.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)
+
+
+@torch.no_grad()
+def build_quantized_model(model: nn.Module, tensors: Dict[str, Value]) -> nn.Module:
+    """Fill `model` (built on the meta device) from `tensors`; returns it, ready on CPU."""
+    dense: Dict[str, torch.Tensor] = {}
+    experts: Dict[str, Dict[str, Value]] = {}
+    for name, value in tensors.items():
+        if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+            path, _, part = name.rpartition(".")
+            experts.setdefault(path, {})[part] = value
+        elif isinstance(value, GroupQuantizedWeight):
+            if not name.endswith(".weight"):
+                raise ValueError(f"{name}: a quantized tensor must be a module's .weight (or fused experts)")
+            path = name[: -len(".weight")]
+            module = model.get_submodule(path)
+            if isinstance(module, nn.Linear):
+                new = QuantizedLinear.from_quantized(value, bias=tensors.get(path + ".bias"))
+            elif isinstance(module, nn.Embedding):
+                new = QuantizedEmbedding.from_quantized(value, module.padding_idx)
+            else:
+                raise ValueError(f"{name}: quantized, but module {path!r} is a {type(module).__name__}, "
+                                 "which has no quantized counterpart")
+            _set_module(model, path, new)
+        else:
+            dense[name] = value
+    for path, parts in experts.items():
+        if set(parts) != {"gate_up_proj", "down_proj"}:
+            raise ValueError(f"{path}: expected both gate_up_proj and down_proj, got {sorted(parts)}")
+        if any(isinstance(v, GroupQuantizedWeight) for v in parts.values()):
+            _set_module(model, path, QuantizedExperts(parts["gate_up_proj"], parts["down_proj"]))
+        else:
+            dense.update({f"{path}.{part}": value for part, value in parts.items()})
+
+    config = getattr(model, "config", None)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    embed = model.get_submodule("model.embed_tokens")
+    if tied and isinstance(embed, QuantizedEmbedding) and isinstance(getattr(model, "lm_head", None), nn.Linear):
+        model.lm_head = QuantizedLinear.from_quantized(embed.quantized_weight())
+    if tied:
+        dense.pop("lm_head.weight", None)
+    result = model.load_state_dict(dense, strict=False, assign=True)
+    if result.unexpected_keys:
+        raise ValueError(f"tensors the model does not have: {sorted(result.unexpected_keys)[:10]}")
+    if tied and hasattr(model, "tie_weights") and not isinstance(model.lm_head, QuantizedLinear):
+        model.tie_weights()
+    still_meta = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    if still_meta:
+        raise ValueError(f"tensors missing for {len(still_meta)} model entries, e.g. {still_meta[:10]}")
+    return model.eval()

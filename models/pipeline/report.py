@@ -1,0 +1,35 @@
+"""How close the quantized model is to the unquantized one: logits cosine, SQNR, greedy tokens."""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+
+from models.common.generation import generate
+
+
+@torch.no_grad()
+def compare_logits(reference: torch.nn.Module, quantized: torch.nn.Module, *, vocab_size: int, seed: int = 0,
+                   prompt_len: int = 16, new_tokens: int = 8) -> Dict:
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, vocab_size, (1, prompt_len), generator=g)
+    ref = reference(prompt).double()
+    got = quantized(prompt).double()
+    noise = (ref - got).pow(2).sum().item()
+    signal = ref.pow(2).sum().item()
+    cosine = torch.nn.functional.cosine_similarity(ref.flatten(), got.flatten(), dim=0).item()
+    return {
+        "cosine": cosine,
+        "sqnr_db": math.inf if noise == 0 else 10 * math.log10(signal / noise),
+        "max_abs_error": (ref - got).abs().max().item(),
+        "tokens_reference": generate(reference, prompt, new_tokens)[0, prompt_len:].tolist(),
+        "tokens_quantized": generate(quantized, prompt, new_tokens)[0, prompt_len:].tolist(),
+    }
+
+
+def format_table(rows: Sequence[Tuple[str, str]]) -> str:
+    width = max(len(k) for k, _ in rows)
+    line = "-" * (width + 2 + max(len(str(v)) for _, v in rows))
+    return "\n".join([line] + [f"{k:<{width}}  {v}" for k, v in rows] + [line])
