@@ -6,6 +6,7 @@ It lets a person see in under a minute that the whole pipeline works, with nothi
 from __future__ import annotations
 
 import os
+from typing import Dict, Optional
 
 import torch
 
@@ -14,9 +15,11 @@ from models.pipeline.hf_checkpoint import write_hf_checkpoint
 
 
 def write_default_checkpoint(arch: Architecture, folder: str, *, seed: int = 0,
-                             dtype: torch.dtype = torch.bfloat16, max_shard_bytes: int = 2 << 20) -> str:
-    """config.json + sharded safetensors + index for the tiny model; same seed, same bytes."""
-    hf_config = arch.tiny_hf_config()
+                             dtype: torch.dtype = torch.bfloat16, max_shard_bytes: int = 2 << 20,
+                             hf_config: Optional[Dict] = None) -> str:
+    """config.json + sharded safetensors + index for the tiny model (or `hf_config`, e.g. a
+    mid-size one for benchmarks); same seed, same bytes."""
+    hf_config = hf_config or arch.tiny_hf_config()
     config = arch.config_from_hf(hf_config)
     torch.manual_seed(seed)
     model = arch.build_model(config, device="cpu", dtype=torch.float32)
