@@ -1,0 +1,253 @@
+"""Benchmark of torch.ops.llmq.quantized_moe_ffn against eager PyTorch MoE layers.
+
+    bazel run //cpp/moe:bench_moe -- [--quick] [--shapes qwen,small] [--tokens 1,8,64,512]
+        [--formats int4g32,int4g128,int8g128] [--threads 1,2] [--no-baselines]
+
+Per case it prints the median and minimum wall time of one MoE layer (router + routed
+experts + shared expert) for
+  (a) eager PyTorch, dense experts in bf16 and fp32 (loop over active experts:
+      index_select, F.linear, silu*mul, F.linear, index_add),
+  (b) eager PyTorch, INT4 experts through aten._weight_int4pack_mm_for_cpu (bf16 activations),
+  (c) this op,
+and "% limit" = floor time / median time, the floor measured on this machine at start-up:
+the larger of (bytes of the experts the batch hits, in that path's format) / (measured read
+bandwidth) and 2 * MACs / (measured peak of the instruction set the path uses: fp32 FMA,
+bf16 dot, int8 VNNI). Decode (T=1) is bandwidth-bound, prefill (T=512) compute-bound.
+Machine limits are the best of several runs; on a shared machine the median of the
+timings is inflated by other processes (the minimum less so). Consecutive calls use different
+random tokens, so different experts are hit and decode weights come from memory (the
+dense baselines share one pool of 64 distinct experts across the 256 slots to bound RAM).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from llmq.ops import load_kernel, pack_moe_experts, quantized_moe_ffn
+from llmq.ops.moe_testing import random_moe
+from llmq.quant.formats import dequantize_canonical, unpack_bits
+
+SHAPES = {  # name: (D, F, E, top_k, shared F)
+    "qwen": (2048, 512, 256, 8, 512),
+    "small": (1024, 256, 64, 4, 0),
+}
+FORMATS = {"int4g32": (4, 32), "int4g128": (4, 128), "int8g128": (8, 128), "int8g32": (8, 32)}
+DENSE_POOL = 64
+ROTATE_BYTES = 128 << 20
+
+
+def timed(fn, inputs, reps):
+    """(median, min) seconds of fn(x, i) over reps calls, cycling through inputs (and weight
+    copies). Both are printed: on a shared machine the minimum is the better estimate of
+    the uncontended time, the median of what a user sees."""
+    times = []
+    for i in range(reps):
+        x = inputs[i % len(inputs)]
+        t0 = time.perf_counter()
+        fn(x, i)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), min(times)
+
+
+class Layer:
+    """One random MoE layer in every form the benchmark needs."""
+
+    def __init__(self, shape, bits, gs, need_dense, need_int4pack):
+        d, f, e, k, fs = shape
+        self.d, self.f, self.e, self.k, self.fs = d, f, e, k, fs
+        router, w13, w2, shared = random_moe(e, d, f, bits, gs, seed=0, shared_inter=fs)
+        self.router = router
+        self.packed = pack_moe_experts(w13, w2)
+        # enough copies that consecutive calls cannot find their weights in the 32 MiB L3
+        self.copies = [self.packed] + [
+            _clone(self.packed) for _ in range(max(0, math.ceil(ROTATE_BYTES / self.packed.nbytes) - 1))]
+        self.shared = pack_moe_experts(shared[0], shared[1]) if shared else None
+        self.shared_gate = shared[2] if shared else None
+        self.bits, self.gs = bits, gs
+        self.expert_bytes = self.packed.nbytes / e
+        self.shared_bytes = self.shared.nbytes if self.shared else 0
+        pool = min(e, DENSE_POOL)
+        self.dense = {}
+        if need_dense:
+            w13d = dequantize_canonical(_slice(w13, pool))
+            w2d = dequantize_canonical(_slice(w2, pool))
+            s = (dequantize_canonical(shared[0]), dequantize_canonical(shared[1])) if shared else None
+            for dt in (torch.bfloat16, torch.float32):
+                self.dense[dt] = (w13d.to(dt), w2d.to(dt), tuple(t.to(dt) for t in s) if s else None)
+        self.int4 = None
+        if need_int4pack and bits == 4:
+            self.int4 = ([_int4pack(_slice(w13, pool), i) for i in range(pool)],
+                         [_int4pack(_slice(w2, pool), i) for i in range(pool)],
+                         (_int4pack(_unsq(shared[0]), 0), _int4pack(_unsq(shared[1]), 0)) if shared else None)
+        self.pool = pool
+
+    def run_op(self, x, threads, i=0):
+        p, s = self.copies[i % len(self.copies)], self.shared
+        kw = {}
+        if s is not None:
+            kw = dict(shared_w13_qdata=s.w13_qdata, shared_w13_sb=s.w13_sb, shared_w2_qdata=s.w2_qdata,
+                      shared_w2_sb=s.w2_sb, shared_gate_weight=self.shared_gate, shared_bits=s.bits,
+                      shared_group_size=s.group_size)
+        return quantized_moe_ffn(x, self.router, None, p.w13_qdata, p.w13_sb, p.w2_qdata, p.w2_sb, self.k, p.bits,
+                                 p.group_size, num_threads=threads, **kw)
+
+    def _route(self, x):
+        logits = F.linear(x.float(), self.router)
+        w, idx = torch.topk(torch.softmax(logits, -1), self.k, dim=-1)
+        return idx, w / w.sum(-1, keepdim=True)
+
+    def run_eager(self, x, expert_fn, shared_fn, dtype):
+        """Loop over active experts; expert_fn(e, tokens) -> [n, D]."""
+        idx, wts = self._route(x)
+        xd = x.to(dtype)
+        out = torch.zeros(x.shape[0], self.d, dtype=dtype)
+        for e in torch.unique(idx).tolist():
+            tok, slot = torch.nonzero(idx == e, as_tuple=True)
+            y = expert_fn(e % self.pool, xd.index_select(0, tok))
+            out.index_add_(0, tok, y * wts[tok, slot].unsqueeze(-1).to(dtype))
+        if shared_fn is not None:
+            out += torch.sigmoid(F.linear(x.float(), self.shared_gate)).to(dtype) * shared_fn(xd)
+        return out
+
+    def run_dense(self, x, i, dtype):
+        w13, w2, s = self.dense[dtype]
+
+        def expert(e, h, a=w13, b=w2):
+            gu = F.linear(h, a[e])
+            return F.linear(F.silu(gu[:, : gu.shape[1] // 2]) * gu[:, gu.shape[1] // 2 :], b[e])
+
+        shared = (lambda h: expert(0, h, s[0].unsqueeze(0), s[1].unsqueeze(0))) if s else None
+        return self.run_eager(x, expert, shared, dtype)
+
+    def run_int4pack(self, x, i=0):
+        w13, w2, s = self.int4
+
+        def mm(h, packed):
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(h, packed[0], self.gs, packed[1])
+
+        def expert(e, h, a=w13, b=w2):
+            gu = mm(h, a[e])
+            return mm(F.silu(gu[:, : gu.shape[1] // 2]) * gu[:, gu.shape[1] // 2 :], b[e])
+
+        shared = (lambda h: expert(0, h, [s[0]], [s[1]])) if s else None
+        return self.run_eager(x, expert, shared, torch.bfloat16)
+
+
+def _clone(p):
+    import dataclasses
+
+    return dataclasses.replace(p, w13_qdata=p.w13_qdata.clone(), w13_sb=p.w13_sb.clone(),
+                               w2_qdata=p.w2_qdata.clone(), w2_sb=p.w2_sb.clone())
+
+
+def _slice(w, n):
+    from llmq.quant.formats import GroupQuantizedWeight
+
+    return GroupQuantizedWeight(w.qdata[:n], w.scale[:n], w.bias[:n], w.bits, w.group_size, (n,) + tuple(w.shape[1:]))
+
+
+def _unsq(w):
+    from llmq.quant.formats import GroupQuantizedWeight
+
+    return GroupQuantizedWeight(w.qdata[None], w.scale[None], w.bias[None], w.bits, w.group_size, (1,) + tuple(w.shape))
+
+
+def _int4pack(w, i):
+    """Expert i of a canonical INT4 weight as tinygemm-CPU operands: w = (q - 8)*scale + zero."""
+    n, k = w.shape[-2:]
+    q = unpack_bits(w.qdata[i], 4, k).to(torch.int32)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    zero = w.bias[i] + 8 * w.scale[i]
+    sz = torch.stack([w.scale[i].T, zero.T], dim=-1).to(torch.bfloat16).contiguous()
+    return packed, sz
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="qwen,small")
+    ap.add_argument("--tokens", default="1,8,64,512")
+    ap.add_argument("--formats", default="int4g32,int4g128,int8g128")
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--no-baselines", action="store_true", help="time only the op")
+    ap.add_argument("--quick", action="store_true", help="qwen + small, T=1 and 512, int4g128, 2 threads")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.tokens, args.formats, args.threads = "1,512", "int4g128", "2"
+    try:
+        shapes = [(s, SHAPES[s]) for s in args.shapes.split(",")]
+        formats = [(f, FORMATS[f]) for f in args.formats.split(",")]
+        tokens = [int(t) for t in args.tokens.split(",")]
+        threads = [int(t) for t in args.threads.split(",")]
+    except (KeyError, ValueError) as e:
+        print(f"bench_moe: bad argument {e}; shapes {list(SHAPES)}, formats {list(FORMATS)}", file=sys.stderr)
+        return 2
+    kernel = load_kernel()
+    print(f"kernel isa: {kernel.best_isa()}; torch {torch.__version__}")
+    limits = {}
+    for th in threads:
+        limits[th] = {
+            # best of several runs: the limit is what the machine can do when nothing else runs
+            "bw": kernel.measure_read_gbps(th, 1 << 30, 5),
+            "fp32": max(kernel.measure_peak_gops("fp32_fma", th, 0.2) for _ in range(3)),
+            "bf16": max(kernel.measure_peak_gops("bf16_dot", th, 0.2) for _ in range(3)),
+            "int8": max(kernel.measure_peak_gops("int8_vnni", th, 0.2) for _ in range(3)),
+        }
+        lim = limits[th]
+        print(f"machine, {th} thread(s): read {lim['bw']:.1f} GB/s; peak fp32 FMA {lim['fp32']:.0f}, "
+              f"bf16 dot {lim['bf16']:.0f}, int8 VNNI {lim['int8']:.0f} Gop/s")
+    header = (f"{'shape':6} {'fmt':9} {'T':>4} {'thr':>3} | {'method':22} {'median ms':>10} {'min ms':>9} "
+              f"{'x op':>6} {'% limit':>8}")
+    print(header)
+    print("-" * len(header))
+    gen = torch.Generator().manual_seed(123)
+    for sname, shape in shapes:
+        d, f, e, k, fs = shape
+        for fi, (fname, (bits, gs)) in enumerate(formats):
+            base = not args.no_baselines and fi == 0
+            layer = Layer(shape, bits, gs, need_dense=base,
+                          need_int4pack=not args.no_baselines and bits == 4)
+            for t in tokens:
+                inputs = [torch.randn(t, d, generator=gen) for _ in range(8)]
+                reps = 50 if t == 1 else 20 if t <= 8 else 6 if t <= 64 else 3
+                macs = t * (k * 3 * d * f + 3 * d * fs + e * d)
+                for th in threads:
+                    torch.set_num_threads(th)
+                    lim = limits[th]
+                    rows = []
+                    layer.run_op(inputs[0], th)  # warm-up (pool threads, workspace)
+                    t_op = timed(lambda x, i: layer.run_op(x, th, i), inputs, reps)
+                    rows.append(("(c) llmq op " + fname, t_op, "int8"))
+                    if layer.int4 is not None:
+                        xb = [x.bfloat16() for x in inputs]
+                        t_b = timed(layer.run_int4pack, xb, max(2, reps // 2))
+                        rows.append((f"(b) int4pack g{gs}", t_b, "bf16"))
+                    if base:
+                        for dt, nm in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
+                            t_a = timed(lambda x, i: layer.run_dense(x, i, dt), inputs, max(2, reps // 2))
+                            rows.append((f"(a) dense {nm}", t_a, nm))
+                    for name, (sec, best), isa in rows:
+                        # the floor is the larger of: reading the weights of the experts this batch
+                        # hits (expected distinct experts for uniform routing) at the measured
+                        # bandwidth, and its multiply-adds at the measured peak of the path's ISA
+                        per_expert = layer.expert_bytes if name.startswith("(c)") else (
+                            3 * d * f * (2 if isa == "bf16" and name.startswith("(a)") else 4 if isa == "fp32"
+                                         else 0.5 + 4 / gs))
+                        shared_b = layer.shared_bytes if name.startswith("(c)") else per_expert * fs / f
+                        hit = e * (1 - (1 - k / e) ** t)
+                        need = max((hit * per_expert + shared_b) / (lim["bw"] * 1e9), 2 * macs / (lim[isa] * 1e9))
+                        # "x op": median time relative to the op's; "% limit": limit time / median time
+                        print(f"{sname:6} {fname:9} {t:>4} {th:>3} | {name:22} {sec * 1e3:10.3f} {best * 1e3:9.3f} "
+                              f"{sec / t_op[0]:6.2f} {100 * need / sec:7.1f}%", flush=True)
+            del layer
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

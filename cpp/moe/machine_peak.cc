@@ -1,0 +1,137 @@
+// Register-only throughput loops that measure this machine's peak arithmetic rate per
+// instruction set, so the benchmark can report kernels as a fraction of what the cores can
+// do (not of a datasheet number). Each loop keeps 12 independent accumulators to cover
+// latency; ops are counted as 2 per multiply-accumulate.
+#include "machine_peak.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <stdexcept>
+#include <thread>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace llmq_moe {
+namespace {
+
+constexpr int kAcc = 12;
+constexpr int64_t kIters = 1 << 16;
+
+#if defined(__x86_64__)
+// Returns ops done; `sink` keeps the result alive.
+__attribute__((target("avx512f,fma"))) double loop_fp32(float* sink) {
+  __m512 acc[kAcc];
+  for (int i = 0; i < kAcc; ++i) acc[i] = _mm512_set1_ps(0.001f * i);
+  const __m512 a = _mm512_set1_ps(0.999f), b = _mm512_set1_ps(0.0001f);
+  for (int64_t it = 0; it < kIters; ++it)
+    for (int i = 0; i < kAcc; ++i) acc[i] = _mm512_fmadd_ps(acc[i], a, b);
+  __m512 s = acc[0];
+  for (int i = 1; i < kAcc; ++i) s = _mm512_add_ps(s, acc[i]);
+  *sink = _mm512_reduce_add_ps(s);
+  return 2.0 * 16 * kAcc * kIters;
+}
+
+__attribute__((target("avx512f,avx512bf16"))) double loop_bf16(float* sink) {
+  __m512 acc[kAcc];
+  for (int i = 0; i < kAcc; ++i) acc[i] = _mm512_set1_ps(0.001f * i);
+  const __m512bh a = (__m512bh)_mm512_set1_epi16(0x3f80), b = (__m512bh)_mm512_set1_epi16(0x3a80);
+  for (int64_t it = 0; it < kIters; ++it)
+    for (int i = 0; i < kAcc; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], a, b);
+  __m512 s = acc[0];
+  for (int i = 1; i < kAcc; ++i) s = _mm512_add_ps(s, acc[i]);
+  *sink = _mm512_reduce_add_ps(s);
+  return 2.0 * 32 * kAcc * kIters;
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) double loop_vnni(float* sink) {
+  __m512i acc[kAcc];
+  for (int i = 0; i < kAcc; ++i) acc[i] = _mm512_set1_epi32(i);
+  const __m512i a = _mm512_set1_epi8(3), b = _mm512_set1_epi8(-2);
+  for (int64_t it = 0; it < kIters; ++it)
+    for (int i = 0; i < kAcc; ++i) acc[i] = _mm512_dpbusd_epi32(acc[i], a, b);
+  __m512i s = acc[0];
+  for (int i = 1; i < kAcc; ++i) s = _mm512_add_epi32(s, acc[i]);
+  *sink = static_cast<float>(_mm512_reduce_add_epi32(s));
+  return 2.0 * 64 * kAcc * kIters;
+}
+#endif
+
+}  // namespace
+
+double measure_peak_gops(const std::string& kind, int threads, double seconds) {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  double (*fn)(float*) = nullptr;
+  if (kind == "fp32_fma" && __builtin_cpu_supports("avx512f")) fn = loop_fp32;
+  if (kind == "bf16_dot" && __builtin_cpu_supports("avx512bf16")) fn = loop_bf16;
+  if (kind == "int8_vnni" && __builtin_cpu_supports("avx512vnni")) fn = loop_vnni;
+  if (!fn) throw std::invalid_argument("no AVX-512 peak loop for '" + kind + "' on this CPU");
+  std::vector<double> ops(threads, 0.0);
+  std::vector<float> sinks(threads * 16);
+  auto start = std::chrono::steady_clock::now();
+  auto work = [&](int t) {
+    while (std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() < seconds)
+      ops[t] += fn(&sinks[t * 16]);
+  };
+  std::vector<std::thread> pool;
+  for (int t = 1; t < threads; ++t) pool.emplace_back(work, t);
+  work(0);
+  for (auto& th : pool) th.join();
+  const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  double total = 0;
+  for (double o : ops) total += o;
+  return total / elapsed * 1e-9;
+#else
+  (void)kind, (void)threads, (void)seconds;
+  throw std::invalid_argument("peak loops exist for x86-64 AVX-512 only");
+#endif
+}
+
+#if defined(__x86_64__)
+namespace {
+__attribute__((target("avx512f"))) int64_t sum_bytes_avx512(const char* p, int64_t n) {
+  __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+  for (int64_t i = 0; i + 256 <= n; i += 256) {
+    a0 = _mm512_add_epi64(a0, _mm512_loadu_si512(p + i));
+    a1 = _mm512_add_epi64(a1, _mm512_loadu_si512(p + i + 64));
+    a2 = _mm512_add_epi64(a2, _mm512_loadu_si512(p + i + 128));
+    a3 = _mm512_add_epi64(a3, _mm512_loadu_si512(p + i + 192));
+  }
+  return _mm512_reduce_add_epi64(_mm512_add_epi64(_mm512_add_epi64(a0, a1), _mm512_add_epi64(a2, a3)));
+}
+}  // namespace
+#endif
+
+double measure_read_gbps(int threads, int64_t bytes, int repeats) {
+#if defined(__x86_64__)
+  if (!__builtin_cpu_supports("avx512f")) throw std::invalid_argument("read loop needs AVX-512");
+  std::vector<char> buf(bytes);
+  const int64_t part = bytes / threads / 256 * 256;
+  // first touch by the reading threads (pages land where they are read)
+  std::vector<std::thread> pool;
+  for (int t = 0; t < threads; ++t)
+    pool.emplace_back([&, t] { std::memset(buf.data() + t * part, t + 1, part); });
+  for (auto& th : pool) th.join();
+  double best = 0;
+  std::vector<int64_t> sinks(threads);
+  for (int r = 0; r < repeats; ++r) {
+    pool.clear();
+    auto start = std::chrono::steady_clock::now();
+    for (int t = 0; t < threads; ++t)
+      pool.emplace_back([&, t] { sinks[t] = sum_bytes_avx512(buf.data() + t * part, part); });
+    for (auto& th : pool) th.join();
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    best = std::max(best, static_cast<double>(part) * threads / s * 1e-9);
+  }
+  return best;
+#else
+  (void)threads, (void)bytes, (void)repeats;
+  throw std::invalid_argument("read loop exists for x86-64 AVX-512 only");
+#endif
+}
+
+}  // namespace llmq_moe

@@ -1,0 +1,114 @@
+// Fused quantized MoE FFN kernel: torch-free C++ on raw buffers.
+//
+// The op computes, for every token t of x [T, D]:
+//   logits = x W_router^T                       (fp32)
+//   choose top_k experts, weights from the score function
+//   out[t] = sum_{chosen e} w_e * W2_e (silu(W1_e x) * W3_e x)
+//          + [shared] sigmoid(x . g_shared) * W2_s (silu(W1_s x) * W3_s x)
+// with W1/W3 (gate/up, fused as w13 [2F, D]) and W2 [D, F] group-wise INT4/INT8.
+//
+// Packed ("tiled") weight layout, per matrix W [N, K] (N % 16 == 0, K % gs == 0,
+// gs % 32 == 0), G = K / gs groups per row, S = steps per group:
+//   INT4: S = gs / 8, each step holds 8 k of 16 rows in 64 bytes;
+//   INT8: S = gs / 4, each step holds 4 k of 16 rows in 64 bytes.
+//   qdata byte index ((tile * G + g) * S + s) * 64 + r * 4 + j, tile = n / 16, r = n % 16:
+//     INT4: low nibble = q[n, g*gs + 8s + j], high nibble = q[n, g*gs + 8s + 4 + j]  (j < 4)
+//     INT8: byte       = q[n, g*gs + 4s + j]
+//   sb float index ((tile * G + g) * 2 + c) * 16 + r:  c = 0 scale[n, g], c = 1 bias[n, g].
+// So one 64-byte load is 16 output rows x 4 (INT8) or 8 (INT4) inputs, the operand shape
+// of an AVX-512 VNNI dot product with a broadcast activation dword.
+// For w13 [2F, D] the tiles alternate: tile 2j holds gate rows 16j..16j+15 and tile 2j+1
+// up rows 16j..16j+15 (HF's gate_up_proj rows F+16j..), so each SwiGLU pair is adjacent.
+//
+// Numerical contract (the scalar, AVX2 and AVX-512 VNNI paths give bitwise identical results):
+//   * activations (x, and the SwiGLU output h) are quantized per row and per weight
+//     group: a = amax/127 (fp32), xq = round_half_even(x * (127/amax)) in [-127, 127];
+//     the matmul is exactly W_deq . (a * xq) with W_deq = scale*q + bias, computed as
+//     sum_g fma(int_dot_g, scale*a, fma(bias, a*sum(xq_g), acc)) in fp32.
+//   * router logits are fp32 dot products (16 partial sums, then summed in order).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace llmq_moe {
+
+// Instruction-set paths, chosen at run time.
+enum class Isa : int { kAuto = 0, kScalar = 1, kAvx512Vnni = 2, kAvx2 = 3 };
+
+// Best path this CPU supports.
+Isa detect_isa();
+const char* isa_name(Isa isa);
+
+// One packed weight matrix (or a stack of E of them laid out back to back).
+struct QMatrix {
+  const uint8_t* qdata = nullptr;  // tiled, see above
+  const float* sb = nullptr;       // tiled scale/bias
+  int64_t n = 0;                   // output rows (multiple of 16)
+  int64_t k = 0;                   // inputs (multiple of group_size)
+  int bits = 4;                    // 4 or 8
+  int group_size = 32;             // multiple of 32
+
+  int64_t groups() const { return k / group_size; }
+  int64_t tile_qbytes() const { return 16 * k * bits / 8; }
+  int64_t tile_sbfloats() const { return groups() * 32; }
+  int64_t matrix_qbytes() const { return (n / 16) * tile_qbytes(); }
+  int64_t matrix_sbfloats() const { return (n / 16) * tile_sbfloats(); }
+};
+
+// Returns an empty string if (n, k, bits, group_size) is a layout this kernel packs,
+// else a message saying what is wrong.
+std::string check_layout(int64_t n, int64_t k, int bits, int group_size);
+
+// Canonical -> tiled. q: uint8 [N, K*bits/8] LSB-first bit stream, scale/bias float [N, K/gs].
+// out_q: N*K*bits/8 bytes, out_sb: 2*N*K/gs floats. Throws std::invalid_argument on bad layout.
+void pack_matrix(const uint8_t* q, const float* scale, const float* bias, int64_t n, int64_t k,
+                 int bits, int group_size, uint8_t* out_q, float* out_sb);
+
+// Dynamic int8 activation quantization of one row x[k] with groups of gs.
+void quantize_row(const float* x, int64_t k, int group_size, int8_t* xq, float* ascale,
+                  float* asum, Isa isa);
+
+// The GEMM tile: out[m][16*nt + r] for m < M tokens and nt < NT tiles (NT in {1, 2},
+// M in [1, 4]) of a packed matrix, against quantized activations rows xq[m] (k int8,
+// ascale/asum [k/gs]). Exposed for the unit test; the op calls it internally.
+void gemm_tile(const QMatrix& w, const int64_t* tiles, int nt, const int8_t* const* xq,
+               const float* const* ascale, const float* const* asum, int m, float* out,
+               Isa isa);
+
+enum class ScoreFunc : int { kSoftmax = 0, kSigmoid = 1 };
+
+// How the w2 phase is split into work items (results are bit-identical either way):
+// by (expert, 32 columns) with a per-token sum afterwards (few tokens: each expert's w2 is
+// read as one stream), or by 32 output columns across all experts (many tokens: no
+// intermediate buffer). kAuto picks by the size of that buffer.
+enum class Schedule : int { kAuto = 0, kByExpert = 1, kByColumns = 2 };
+
+struct MoEArgs {
+  const float* x = nullptr;             // [T, D]
+  int64_t tokens = 0, hidden = 0;       // T, D
+  const float* router = nullptr;        // [E, D]
+  const float* expert_bias = nullptr;   // [E] or null (selection only, sigmoid scoring)
+  int64_t experts = 0, top_k = 1;
+  ScoreFunc score = ScoreFunc::kSoftmax;
+  float route_scale = 1.0f;
+  // Routed experts: w13 is a stack of E matrices [2F, D] (gate/up tiles alternating),
+  // w2 of E matrices [D, F].
+  QMatrix w13, w2;
+  // Optional shared expert (qdata null = none): w13 [2Fs, D], w2 [D, Fs], and an
+  // optional sigmoid gate row [D] (null = gate weight 1).
+  QMatrix shared_w13, shared_w2;
+  const float* shared_gate = nullptr;
+  int num_threads = 1;
+  Isa isa = Isa::kAuto;
+  Schedule schedule = Schedule::kAuto;
+};
+
+// Runs the op; out is [T, D] fp32. Throws std::invalid_argument on inconsistent arguments.
+void moe_ffn(const MoEArgs& args, float* out);
+
+// Router + scoring + top-k only (for tests): idx/weights [T, top_k], sorted by score.
+void route(const MoEArgs& args, int32_t* idx, float* weights);
+
+}  // namespace llmq_moe

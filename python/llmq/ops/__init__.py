@@ -1,0 +1,24 @@
+"""llmq.ops: torch.library custom ops and the source transforms that use them.
+
+Importing this package registers `torch.ops.llmq.quantized_moe_ffn` (schema + fake kernel
+always; the CPU kernel needs the compiled extension, see `moe_kernel_available`).
+"""
+
+from llmq.ops.kernel_loader import MoEKernelUnavailable, load_kernel, moe_kernel_available
+from llmq.ops.moe_op import kernel_route, quantized_moe_ffn, set_kernel_isa, set_kernel_schedule
+from llmq.ops.moe_reference import moe_reference, route_reference
+from llmq.ops.packing import PackedExperts, pack_moe_experts
+
+__all__ = [
+    "quantized_moe_ffn",
+    "moe_kernel_available",
+    "load_kernel",
+    "MoEKernelUnavailable",
+    "pack_moe_experts",
+    "PackedExperts",
+    "moe_reference",
+    "route_reference",
+    "kernel_route",
+    "set_kernel_isa",
+    "set_kernel_schedule",
+]

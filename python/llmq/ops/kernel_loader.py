@@ -1,0 +1,101 @@
+"""Find and load the compiled MoE kernel (`_moe_kernel*.so`, Bazel target //cpp/moe:_moe_kernel.so).
+
+The extension is torch-free and is loaded by file path, so the same code finds it in a
+Bazel runfiles tree, in a source checkout, or wherever `LLMQ_MOE_KERNEL` points.
+Search order:
+  1. $LLMQ_MOE_KERNEL (a path to the .so; an error if it is set but missing),
+  2. cpp/moe/ relative to the repository root this file lives in (runfiles or checkout),
+  3. cpp/moe/ under every sys.path entry and under $RUNFILES_DIR / $TEST_SRCDIR workspaces.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.machinery
+import importlib.util
+import os
+import sys
+from types import ModuleType
+from typing import List, Optional
+
+ENV_VAR = "LLMQ_MOE_KERNEL"
+_TARGET = "//cpp/moe:_moe_kernel.so"
+
+_module: Optional[ModuleType] = None
+_error: Optional[str] = None
+
+
+class MoEKernelUnavailable(RuntimeError):
+    """The compiled extension _moe_kernel.so could not be found or loaded."""
+
+
+def _candidate_dirs() -> List[str]:
+    here = os.path.dirname(os.path.abspath(__file__))
+    repo_root = os.path.normpath(os.path.join(here, "..", "..", ".."))
+    dirs = [os.path.join(repo_root, "cpp", "moe")]
+    for entry in sys.path:
+        if entry:
+            dirs.append(os.path.join(entry, "cpp", "moe"))
+    for var in ("RUNFILES_DIR", "TEST_SRCDIR"):
+        root = os.environ.get(var)
+        if root and os.path.isdir(root):
+            for ws in sorted(os.listdir(root)):
+                dirs.append(os.path.join(root, ws, "cpp", "moe"))
+    seen, out = set(), []
+    for d in dirs:
+        if d not in seen:
+            seen.add(d)
+            out.append(d)
+    return out
+
+
+def _find() -> List[str]:
+    env = os.environ.get(ENV_VAR)
+    if env:
+        if not os.path.isfile(env):
+            raise MoEKernelUnavailable(f"{ENV_VAR}={env} does not name a file (expected the built _moe_kernel.so)")
+        return [env]
+    found = []
+    for d in _candidate_dirs():
+        found.extend(sorted(glob.glob(os.path.join(d, "_moe_kernel*.so"))))
+    return found
+
+
+def load_kernel() -> ModuleType:
+    """The loaded extension module; raises MoEKernelUnavailable naming what is missing."""
+    global _module, _error
+    if _module is not None:
+        return _module
+    if _error is not None:
+        raise MoEKernelUnavailable(_error)
+    try:
+        paths = _find()
+    except MoEKernelUnavailable as e:
+        _error = str(e)
+        raise
+    problems = []
+    for path in paths:
+        try:
+            loader = importlib.machinery.ExtensionFileLoader("_moe_kernel", path)
+            spec = importlib.util.spec_from_file_location("_moe_kernel", path, loader=loader)
+            module = importlib.util.module_from_spec(spec)
+            loader.exec_module(module)
+            _module = module
+            return module
+        except ImportError as e:  # wrong Python ABI, missing symbols, ...
+            problems.append(f"{path}: {e}")
+    detail = "; ".join(problems) if problems else "searched " + ", ".join(_candidate_dirs()[:4]) + ", ..."
+    _error = (
+        f"the compiled MoE kernel _moe_kernel.so ({_TARGET}) is not available: {detail}. "
+        f"Build it with Bazel (depend on {_TARGET}) or set {ENV_VAR}=/path/to/_moe_kernel.so"
+    )
+    raise MoEKernelUnavailable(_error)
+
+
+def moe_kernel_available() -> bool:
+    """Cheap probe: True if the compiled kernel loads (callers pick a fallback otherwise)."""
+    try:
+        load_kernel()
+        return True
+    except MoEKernelUnavailable:
+        return False
