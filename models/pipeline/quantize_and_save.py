@@ -39,6 +39,8 @@ flags.DEFINE_boolean("verify", None, "Reload the output and compare logits with 
                      "(default: on for checkpoints under 4 GiB).")
 flags.DEFINE_integer("seed", 0, "Seed of the embedded default model and of the verification prompt.")
 flags.DEFINE_boolean("list_recipes", False, "Print the recipe presets and exit.")
+flags.DEFINE_boolean("use_moe_quantized_op", False, "Verify with the MoE blocks running through "
+                     "torch.ops.llmq.quantized_moe_ffn (the fused C++ kernel) instead of eager PyTorch.")
 flags.DEFINE_boolean("progress", None, "Show progress bars (default: when stderr is a terminal).")
 
 VERIFY_LIMIT_BYTES = 4 << 30
@@ -103,7 +105,8 @@ def model_tensors(arch: Architecture, folder: str, config) -> Iterator[Tuple[str
 
 
 def run(arch: Architecture, *, checkpoint: Optional[str], recipe: Optional[str], backend: str, out: Optional[str],
-        resume: bool, max_shard_size: int, verify: Optional[bool], seed: int, progress: bool) -> Dict:
+        resume: bool, max_shard_size: int, verify: Optional[bool], seed: int, progress: bool,
+        use_moe_op: bool = False) -> Dict:
     """The whole job; returns the numbers it printed (for tests)."""
     for name, preset in arch.presets.items():
         register_preset(name, preset, overwrite=True)
@@ -195,6 +198,24 @@ def run(arch: Architecture, *, checkpoint: Optional[str], recipe: Optional[str],
                                               f"max |diff| {ours['max_abs_error']:.2e}"),
                     ("mlx-lm vs unquantized (fp32)", f"cosine {ref['cosine']:.5f}, SQNR {ref['sqnr_db']:.1f} dB"),
                 ]
+            if use_moe_op:
+                from models.pipeline.moe_op import use_quantized_moe_op
+
+                with_op = build_quantized_model(arch.build_model(config, device="meta"), reload(bundle))
+                swapped = use_quantized_moe_op(with_op)
+                if not swapped:
+                    raise UsageError("--use_moe_quantized_op: no MoE block to swap; the kernel needs routed experts "
+                                     "quantized INT4/INT8 with one group size (32/64/128) for gate_up and down, "
+                                     "e.g. --recipe=int4 or mixed")
+                op_check = compare_logits(quantized, with_op, vocab_size=config.vocab_size, seed=seed)
+                result["moe_op"] = dict(op_check, blocks=len(swapped))
+                rows += [
+                    ("MoE op blocks", f"{len(swapped)} via torch.ops.llmq.quantized_moe_ffn"),
+                    ("op vs eager quantized", f"cosine {op_check['cosine']:.6f}, SQNR {op_check['sqnr_db']:.1f} dB"),
+                    ("greedy (quantized, op)", " ".join(map(str, op_check["tokens_quantized"]))),
+                ]
+        elif use_moe_op:
+            raise UsageError("--use_moe_quantized_op needs --verify (it checks the op against the eager path)")
         print(format_table(rows))
         if embedded:
             print("[embedded default] pass --checkpoint=<HF folder> to quantize a real model")
@@ -261,6 +282,7 @@ def main_for(arch: Architecture) -> None:
             run(arch, checkpoint=_user_path(FLAGS.checkpoint), recipe=recipe, backend=FLAGS.backend,
                 out=_user_path(FLAGS.out),
                 resume=FLAGS.resume, max_shard_size=FLAGS.max_shard_size, verify=FLAGS.verify, seed=FLAGS.seed,
+                use_moe_op=FLAGS.use_moe_quantized_op,
                 progress=progress)
         except (UsageError, CheckpointError, FileExistsError) as e:
             print(f"error: {e}", file=sys.stderr)
