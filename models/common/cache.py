@@ -86,3 +86,30 @@ def attention(
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
     out = torch.matmul(probs, values)  # [B, H, S, hd_v]
     return out.transpose(1, 2).reshape(batch, seq, heads * values.shape[-1])
+
+
+class StaticKVCache:
+    """A ``KVCache`` stand-in over fixed-capacity buffers, for ``torch.export``.
+
+    ``keys``/``values`` are [B, H_kv, capacity, hd]; slot i holds absolute position i, written with
+    ``index_copy`` at ``position`` (a Python int or a 0-d int64 tensor), so shapes never change and
+    nothing grows on the Python side. Slots that are empty or outside a sliding window are hidden by
+    ``attention``'s position mask, so one buffer layout serves full and sliding layers.
+
+    ``attend_cached=False`` (prefill from an empty cache) returns only this step's keys/values to
+    attention, exactly what ``KVCache`` returns on its first call, while still filling the buffers.
+    The caller keeps every written position below the capacity.
+    """
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, position, attend_cached: bool = True):
+        self.keys, self.values = keys, values
+        self.position = position
+        self.attend_cached = attend_cached
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor):
+        slots = torch.arange(keys.shape[2], device=keys.device) + self.position
+        self.keys = self.keys.index_copy(2, slots, keys.to(self.keys.dtype))
+        self.values = self.values.index_copy(2, slots, values.to(self.values.dtype))
+        if not self.attend_cached:
+            return keys, values, self.position
+        return self.keys.to(keys.dtype), self.values.to(values.dtype), 0

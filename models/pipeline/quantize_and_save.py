@@ -13,7 +13,7 @@ import os
 import sys
 import tempfile
 import time
-from typing import Dict, Iterable, Iterator, Optional, Tuple
+from typing import Dict, Iterator, Optional, Tuple
 
 import torch
 from absl import app, flags
