@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from models.gemma4 import keymap, mlx_export
+from models.gemma4 import gguf_checkpoint, keymap, mlx_export
 from models.gemma4.config import ModelConfig
 from models.gemma4.model import build_model
 import os
@@ -61,4 +61,5 @@ ARCHITECTURE = Architecture(
     presets=recipe_files(RECIPES),
     prepare_default=prepare_default,
     mlx_export=mlx_export,
+    gguf_import=gguf_checkpoint,
 )

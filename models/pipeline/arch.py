@@ -35,6 +35,9 @@ class Architecture:
     # --backend=mlx: a module (models/<m>/mlx_export.py) with `mlx_tensors(name, value) -> [(mlx_name,
     # value)]` and `mlx_config(hf_config) -> dict`, mapping to what mlx-lm loads (None: no MLX export).
     mlx_export: Optional[Any] = None
+    # --checkpoint=model.gguf: a module (models/<m>/gguf_checkpoint.py) with GGUF_ARCH, `hf_config_from_gguf` and
+    # `GGUFConverter` (see models/pipeline/gguf_input.py; None: GGUF input is refused).
+    gguf_import: Optional[Any] = None
 
     def num_layers(self, config) -> int:
         return int(config.num_hidden_layers)

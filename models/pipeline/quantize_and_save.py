@@ -20,6 +20,7 @@ from absl import app, flags
 
 from llmq.checkpoint import CheckpointError, checkpoint_names, iter_checkpoint, load_bundle, save_bundle
 from llmq.quant import GroupQuantizedWeight, QuantRecipe, load_recipe, quantize_stream, register_preset
+from models.pipeline import gguf_input
 from models.pipeline.arch import Architecture, quantizable_module
 from models.pipeline.default_model import write_default_checkpoint
 from models.pipeline.quantized_model import build_quantized_model
@@ -27,8 +28,8 @@ from models.pipeline.report import compare_logits, format_table
 from models.pipeline.streaming import merge_experts_stream
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("checkpoint", None, "Hugging Face checkpoint folder (config.json + safetensors). "
-                    "Omit to run the embedded default tiny model.")
+flags.DEFINE_string("checkpoint", None, "Hugging Face checkpoint folder (config.json + safetensors) or a "
+                    "llama.cpp .gguf file. Omit to run the embedded default tiny model.")
 flags.DEFINE_string("recipe", None, "Recipe preset name (see --list_recipes) or a JSON/YAML recipe file.")
 flags.DEFINE_enum("backend", "bundle", ["bundle", "cuda", "mlx"], "Terminal packer: bundle = portable llmq bundle "
                   "(canonical weights); cuda = tinygemm int4 tiles in the bundle; mlx = a folder mlx_lm.load runs.")
@@ -123,21 +124,45 @@ def run(arch: Architecture, *, checkpoint: Optional[str], recipe: Optional[str],
             checkpoint = write_default_checkpoint(arch, os.path.join(workdir, "checkpoint"), seed=seed)
             out = out or os.path.join(workdir, "out")
             print(f"[embedded default] tiny deterministic {arch.name} model (seed {seed}) written to {checkpoint}")
+        elif gguf_input.is_gguf(checkpoint):
+            if not os.path.isfile(checkpoint):
+                raise UsageError(f"--checkpoint {checkpoint}: no such file")
+            if arch.gguf_import is None:
+                raise UsageError(f"--checkpoint {checkpoint}: {arch.name} has no GGUF import")
+            if backend == "mlx":
+                raise UsageError("--backend mlx needs the tokenizer files of an HF folder; a GGUF checkpoint has none")
         elif not os.path.isdir(checkpoint):
             raise UsageError(f"--checkpoint {checkpoint}: no such folder")
         out = out or _user_path(os.path.join("out", f"{arch.name}-{os.path.basename(recipe_name)}"))
-        hf_config = _read_hf_config(checkpoint)
+        from_gguf = gguf_input.is_gguf(checkpoint)
+        if from_gguf:
+            try:  # config.json's place is taken by the GGUF metadata
+                hf_config = gguf_input.hf_config(arch, checkpoint)
+            except ValueError as e:
+                if isinstance(e, CheckpointError):
+                    raise
+                raise UsageError(f"{checkpoint}: cannot rebuild a {arch.name} config from its metadata ({e})") from None
+        else:
+            hf_config = _read_hf_config(checkpoint)
         try:
             config = arch.config_from_hf(hf_config)
         except (ValueError, KeyError, NotImplementedError) as e:
-            raise UsageError(f"{checkpoint}/config.json: not a supported {arch.name} config ({e})") from None
+            source = checkpoint if from_gguf else f"{checkpoint}/config.json"
+            raise UsageError(f"{source}: not a supported {arch.name} config ({e})") from None
+
+        def model_stream(notes=None):
+            if from_gguf:
+                return gguf_input.model_tensors(arch, checkpoint, config, notes=notes)
+            return model_tensors(arch, checkpoint, config)
 
         if verify is None:
-            verify = embedded or _checkpoint_bytes(checkpoint) < VERIFY_LIMIT_BYTES
+            size = os.path.getsize(checkpoint) if from_gguf else _checkpoint_bytes(checkpoint)
+            verify = embedded or size < VERIFY_LIMIT_BYTES
         tally = _Tally()
         total = len(checkpoint_names(checkpoint))
         start = time.perf_counter()
-        stream = tally.before(model_tensors(arch, checkpoint, config))
+        gguf_notes = []
+        stream = tally.before(model_stream(gguf_notes))
         stream = quantize_stream(stream, quant_recipe, num_layers=arch.num_layers(config), module_of=quantizable_module)
         stream = _progress(tally.after(stream), total, "quantize", progress)
         reload = load_bundle
@@ -161,6 +186,8 @@ def run(arch: Architecture, *, checkpoint: Optional[str], recipe: Optional[str],
             bundle = save_bundle(stream, out, recipe=quant_recipe, max_shard_bytes=max_shard_size, resume=resume,
                                  metadata={"architecture": arch.name, "backend": backend, "recipe": recipe_name})
         seconds = time.perf_counter() - start
+        for note in gguf_notes:
+            print(f"note: {note}")
 
         rows = [
             ("architecture", arch.name),
@@ -172,11 +199,16 @@ def run(arch: Architecture, *, checkpoint: Optional[str], recipe: Optional[str],
             ("bytes after", f"{tally.bytes_out:,} ({tally.bytes_out / max(tally.bytes_in, 1):.3f}x)"),
             ("time", f"{seconds:.2f} s"),
         ]
+        if from_gguf:
+            rows.insert(1, ("input", f"GGUF {checkpoint}"))
         result = {"bundle": bundle, "tensors": tally.tensors, "quantized": tally.quantized,
                   "bytes_in": tally.bytes_in, "bytes_out": tally.bytes_out}
         if verify:
-            reference = build_quantized_model(arch.build_model(config, device="meta"),
-                                              dict(model_tensors(arch, checkpoint, config)))
+            # From a GGUF file the unquantized model is not available: the reference is the GGUF
+            # model itself (its quantized weights dequantized exactly).
+            reference = build_quantized_model(arch.build_model(config, device="meta"), dict(model_stream()))
+            if from_gguf:
+                print("verification reference: the GGUF model, its quantized weights dequantized")
             quantized = build_quantized_model(arch.build_model(config, device="meta"), reload(bundle))
             check = compare_logits(reference, quantized, vocab_size=config.vocab_size, seed=seed)
             result.update(check)

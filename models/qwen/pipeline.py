@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from models.pipeline.arch import Architecture, recipe_files
-from models.qwen import keymap, mlx_export
+from models.qwen import gguf_checkpoint, keymap, mlx_export
 from models.qwen.config import ModelConfig
 from models.qwen.model import build_model
 
@@ -37,4 +37,5 @@ ARCHITECTURE = Architecture(
     merge_experts=keymap.stack_experts,
     to_hf_tensors=keymap.unstack_experts,
     mlx_export=mlx_export,
+    gguf_import=gguf_checkpoint,
 )

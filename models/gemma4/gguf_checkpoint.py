@@ -1,0 +1,141 @@
+"""Gemma 4 (dense text) from a llama.cpp GGUF file (arch ``gemma4``): config and tensors back to our layout.
+
+What llama.cpp's converter (``Gemma4Model`` on ``Gemma3Model``) does, and how it is undone here:
+
+* norms: Gemma 4's RMSNorm scales by the weight itself (``norm_shift`` 0), so no +1 to undo;
+* ``lm_head`` is not written (tied to ``token_embd``); ``token_embd`` is cut to the real vocabulary,
+  so the vocabulary size is read from its rows;
+* a quantized ``token_embd`` is imported dequantized (exactly, float32): our Gemma 4 forward
+  needs a dense embedding (it reads the embedding's dtype);
+* ``layer_scalar`` becomes ``blk.N.layer_output_scale.weight`` ([1]);
+* full-attention layers' proportional RoPE is written as a ``rope_freqs`` tensor (1.0 for the
+  rotated frequency pairs, 1e30 for the unrotated ones): the config reads partial_rotary_factor
+  back from it and the tensor itself is dropped;
+* per-layer geometry goes to metadata: ``attention.sliding_window_pattern`` (layer types),
+  ``attention.head_count_kv`` (array: sliding vs full), ``key_length`` (full head dim) and
+  ``key_length_swa``; K=V full layers simply have no ``attn_v``.
+
+Refused with a ValueError: MoE blocks (``expert_count`` > 0), per-layer input embeddings and KV
+sharing (E2B/E4B), partial RoPE on sliding layers, and any tensor without a mapping.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Dict, List, Tuple
+
+import torch
+
+from llmq.quant import GroupQuantizedWeight
+from llmq.quant.formats import dequantize_canonical
+from models.gemma4 import keymap
+from models.pipeline.gguf_input import GGUFTensors, Metadata, Value
+
+GGUF_ARCH = "gemma4"
+ROPE_FREQS = "rope_freqs.weight"
+EMBEDDING = "model.embed_tokens.weight"
+_BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
+# llama.cpp marks an unrotated frequency pair with this factor (its freq is divided by it).
+_UNROTATED_FACTOR = 1e29
+
+
+def hf_config_from_gguf(metadata: Dict[str, Any], tensors: GGUFTensors) -> Dict[str, Any]:
+    """An HF ``gemma4_text`` config.json dict from the GGUF metadata (ValueError names what is missing)."""
+    m = Metadata(metadata, GGUF_ARCH)
+    num_layers = int(m.get("block_count"))
+    if int(m.get("expert_count", 0)) > 0:
+        raise ValueError("GGUF gemma4: expert_count > 0 (Gemma 4 MoE) is not supported; only the dense stack")
+    pattern = list(m.get("attention.sliding_window_pattern"))
+    if len(pattern) != num_layers:
+        raise ValueError(f"GGUF gemma4: sliding_window_pattern has {len(pattern)} entries for {num_layers} blocks")
+    layer_types = ["sliding_attention" if swa else "full_attention" for swa in pattern]
+    full = [not swa for swa in pattern]
+    head_dim_full = int(m.get("attention.key_length"))
+    head_dim_swa = int(m.get("attention.key_length_swa", head_dim_full))
+    rot_swa = int(m.get("rope.dimension_count_swa", head_dim_swa))
+    if rot_swa != head_dim_swa:
+        raise ValueError(f"GGUF gemma4: rope.dimension_count_swa {rot_swa} != head dim {head_dim_swa} "
+                         f"(partial RoPE on sliding layers is not supported)")
+    kv_swa = int(m.scalar("attention.head_count_kv", per_layer=pattern)) if any(pattern) else None
+    kv_full = int(m.scalar("attention.head_count_kv", per_layer=full))
+    k_eq_v = not any(f"blk.{i}.attn_v.weight" in tensors.shapes for i, t in enumerate(full) if t)
+    config = {
+        "model_type": "gemma4_text",
+        "vocab_size": m.vocab_size(tensors),
+        "hidden_size": int(m.get("embedding_length")),
+        "intermediate_size": int(m.scalar("feed_forward_length")),
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": int(m.scalar("attention.head_count")),
+        "num_key_value_heads": kv_swa if kv_swa is not None else kv_full,
+        "head_dim": head_dim_swa,
+        "global_head_dim": head_dim_full,
+        "num_global_key_value_heads": kv_full,
+        "attention_k_eq_v": k_eq_v,
+        "per_layer_config": {"full_attention": {"head_dim": head_dim_full, "num_key_value_heads": kv_full}},
+        "rms_norm_eps": float(m.get("attention.layer_norm_rms_epsilon")),
+        "sliding_window": int(m.get("attention.sliding_window")),
+        "final_logit_softcapping": m.get("final_logit_softcapping", None),
+        "hidden_size_per_layer_input": int(m.get("embedding_length_per_layer_input", 0)),
+        "num_kv_shared_layers": int(m.get("attention.shared_kv_layers", 0)),
+        "tie_word_embeddings": "output.weight" not in tensors.shapes,
+        "layer_types": layer_types,
+        "rope_parameters": {
+            # llama.cpp defaults the sliding-layer base to 10000 when the key is absent, as we do.
+            "sliding_attention": {"rope_type": "default", "rope_theta": float(m.get("rope.freq_base_swa", 10_000.0))},
+            "full_attention": _full_rope(m, tensors, head_dim_full),
+        },
+        "max_position_embeddings": int(m.get("context_length", 131072)),
+    }
+    for key, hf_key in (("tokenizer.ggml.eos_token_id", "eos_token_id"), ("tokenizer.ggml.padding_token_id",
+                                                                             "pad_token_id")):
+        if key in metadata:
+            config[hf_key] = int(metadata[key])
+    return config
+
+
+def _full_rope(m: Metadata, tensors: GGUFTensors, head_dim: int) -> Dict[str, Any]:
+    theta = float(m.get("rope.freq_base"))
+    if ROPE_FREQS not in tensors.shapes:
+        return {"rope_type": "default", "rope_theta": theta}
+    factors = tensors.read(ROPE_FREQS)
+    if not isinstance(factors, torch.Tensor) or factors.numel() != head_dim // 2:
+        raise ValueError(f"GGUF gemma4: {ROPE_FREQS} must be a float vector of {head_dim // 2} (head_dim/2) factors")
+    factors = factors.float().reshape(-1)
+    rotated = int((factors == 1.0).sum())
+    if not (bool((factors[:rotated] == 1.0).all()) and bool((factors[rotated:] >= _UNROTATED_FACTOR).all())):
+        raise ValueError(f"GGUF gemma4: {ROPE_FREQS} is not llama.cpp's proportional-RoPE pattern "
+                         f"(1.0 for rotated pairs, then 1e30)")
+    return {"rope_type": "proportional", "partial_rotary_factor": 2 * rotated / head_dim, "rope_theta": theta}
+
+
+class GGUFConverter:
+    """``convert(gguf_name, value) -> [(model_name, value)]``, one GGUF tensor at a time."""
+
+    def __init__(self, config):
+        self.config = config
+        self.notes: List[str] = []
+
+    def convert(self, name: str, value: Value) -> List[Tuple[str, Value]]:
+        if name == ROPE_FREQS:
+            return []  # read into the config's full-attention rope_parameters
+        match = _BLOCK.match(name)
+        layer, template = (int(match.group(1)), f"blk.{{L}}.{match.group(2)}") if match else (None, name)
+        hf_template = keymap.GGUF_TO_HF.get(template)
+        if hf_template is None:
+            raise ValueError(f"GGUF tensor {name!r} has no gemma4 mapping (the dense text stack's gguf-py "
+                             f"GEMMA4 names are supported; MoE and per-layer-embedding tensors are not)")
+        hf_name = hf_template.format(L=layer)
+        if hf_name.endswith(".layer_scalar"):
+            if not isinstance(value, torch.Tensor) or value.numel() != 1:
+                raise ValueError(f"{name}: expected one float (the layer's output scale)")
+            value = value.reshape(1)
+        if hf_name == EMBEDDING and isinstance(value, GroupQuantizedWeight):
+            # Our Gemma 4 forward reads embed_tokens.weight.dtype (the sqrt(hidden) scale), which a
+            # quantized embedding does not have: keep it dense, dequantized exactly.
+            self.notes.append(f"{name}: quantized ({value.bits}-bit) in the GGUF; imported dequantized (exact "
+                              f"float32 values) because the Gemma 4 model needs a dense embedding")
+            value = dequantize_canonical(value)
+        return [(keymap.hf_to_llmq_key(hf_name), value)]
+
+    def close(self) -> None:
+        pass

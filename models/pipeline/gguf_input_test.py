@@ -1,0 +1,349 @@
+"""--checkpoint=model.gguf end to end, on GGUF files written by gguf-py's own GGUFWriter.
+
+Each architecture's tiny embedded-default model is written the way llama.cpp's converter writes it
+(its tensor names, metadata keys and value transforms, restated here from the converter's facts),
+with most matrices quantized to Q8_0 and a few to Q4_0 by gguf-py's reference quantizer. The
+pipeline then imports it, and we check against independent references:
+
+(a) each GGUF-quantized weight reaches the bundle still quantized and dequantizes bit for bit to
+    gguf.quants.dequantize of the same bytes;
+(b) the reloaded bundle's logits equal those of our model built from the GGUF's weights
+    dequantized by gguf-py (fp32 rounding of a different evaluation order only);
+(c) against the original float model, logits cosine >= 0.99 (the Q8_0 bar of issue 6).
+"""
+
+from __future__ import annotations
+
+import json
+
+import gguf
+import pytest
+import torch
+
+from llmq.checkpoint import CheckpointError, load_bundle
+from llmq.quant import GroupQuantizedWeight
+from llmq.quant.formats import dequantize_canonical
+from models.gemma4 import keymap as gemma_keymap
+from models.gemma4.gguf_checkpoint import GGUFConverter as GemmaConverter
+from models.gemma4.pipeline import ARCHITECTURE as GEMMA4
+from models.pipeline.gguf_input import Metadata
+from models.pipeline.quantize_and_save import UsageError, run
+from models.pipeline.quantized_model import build_quantized_model
+from models.pipeline.report import compare_logits
+from models.qwen import keymap as qwen_keymap
+from models.qwen.gguf_checkpoint import GGUFConverter as QwenConverter
+from models.qwen.gguf_checkpoint import hf_config_from_gguf as qwen_config_from_gguf
+from models.qwen.pipeline import ARCHITECTURE as QWEN
+
+Q8_0, Q4_0 = gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0
+# Never quantized (llama.cpp keeps them float too): norms, vectors, convs, routers.
+_FLOAT_ONLY = ("norm", "conv1d", "A_log", "dt_bias", "layer_scalar", ".mlp.gate.weight", "shared_expert_gate")
+
+
+def _float_model(arch, seed=0):
+    hf = arch.tiny_hf_config()
+    config = arch.config_from_hf(hf)
+    torch.manual_seed(seed)
+    model = arch.build_model(config, device="cpu", dtype=torch.float32)
+    with torch.no_grad():
+        arch.prepare_default(model)
+    return hf, config, model.eval()
+
+
+def _reverse_names(table):
+    """Our (HF) name template -> GGUF name template, for one layer index."""
+    def gguf_name(name):
+        parts = name.split(".")
+        layer = next((int(p) for p in parts if p.isdigit()), None)
+        template = name.replace(f".{layer}.", ".{L}.") if layer is not None else name
+        for g, h in table.items():
+            if h == template:
+                return g.format(L=layer)
+        raise KeyError(name)
+    return gguf_name
+
+
+def _tile_v_heads(t, dim, k_heads, v_heads, head_dim):
+    """llama.cpp's _LinearAttentionVReorderBase: V heads grouped by K head -> tiled order."""
+    shape = list(t.shape)
+    t = t.reshape(shape[:dim] + [k_heads, v_heads // k_heads, head_dim] + shape[dim + 1:])
+    return t.transpose(dim, dim + 1).reshape(shape)
+
+
+def _qwen_to_gguf(config, name, w):
+    """(gguf_name, float32 tensor) pairs as llama.cpp's Qwen3_5MoeTextModel writes them."""
+    gguf_name = _reverse_names(qwen_keymap.GGUF_TO_HF)
+    if name.endswith(".experts.gate_up_proj"):
+        f = w.shape[1] // 2
+        layer = name.split(".")[2]
+        return [(f"blk.{layer}.ffn_gate_exps.weight", w[:, :f]), (f"blk.{layer}.ffn_up_exps.weight", w[:, f:])]
+    if name.endswith(".experts.down_proj"):
+        return [(f"blk.{name.split('.')[2]}.ffn_down_exps.weight", w)]
+    kh, vh = config.linear_num_key_heads, config.linear_num_value_heads
+    dv, key_dim = config.linear_value_head_dim, config.linear_key_head_dim * config.linear_num_key_heads
+    if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+        w = w + 1
+    elif name.endswith(".A_log"):
+        w = _tile_v_heads(-torch.exp(w)[:, None], 0, kh, vh, 1)[:, 0]
+    elif name.endswith(".dt_bias"):
+        w = _tile_v_heads(w[:, None], 0, kh, vh, 1)[:, 0]
+    elif name.endswith(".conv1d.weight"):
+        w = w.squeeze(1)
+        w = torch.cat([w[: 2 * key_dim], _tile_v_heads(w[2 * key_dim:], 0, kh, vh, dv)])
+    elif name.endswith(".in_proj_qkv.weight"):
+        w = torch.cat([w[: 2 * key_dim], _tile_v_heads(w[2 * key_dim:], 0, kh, vh, dv)])
+    elif name.endswith(".in_proj_z.weight"):
+        w = _tile_v_heads(w, 0, kh, vh, dv)
+    elif name.endswith((".in_proj_a.weight", ".in_proj_b.weight")):
+        w = _tile_v_heads(w, 0, kh, vh, 1)
+    elif name.endswith(".out_proj.weight"):
+        w = _tile_v_heads(w, 1, kh, vh, dv)
+    return [(gguf_name(name), w)]
+
+
+def _gemma_to_gguf(config, name, w):
+    if name == "lm_head.weight":
+        return []  # tied: llama.cpp writes only token_embd
+    if name.endswith(".layer_scalar"):
+        return [(f"blk.{name.split('.')[2]}.layer_output_scale.weight", w)]
+    return [(_reverse_names(gemma_keymap.GGUF_TO_HF)(name), w)]
+
+
+def _qwen_metadata(writer, hf, config):
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(hf["max_position_embeddings"])
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_rope_freq_base(config.rope_theta)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_expert_count(config.num_experts)
+    writer.add_expert_used_count(config.num_experts_per_tok)
+    writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
+    writer.add_ssm_conv_kernel(config.linear_conv_kernel_dim)
+    writer.add_ssm_state_size(config.linear_key_head_dim)
+    writer.add_ssm_group_count(config.linear_num_key_heads)
+    writer.add_ssm_time_step_rank(config.linear_num_value_heads)
+    writer.add_ssm_inner_size(config.linear_value_head_dim * config.linear_num_value_heads)
+    writer.add_full_attention_interval(4)
+    writer.add_rope_dimension_count(config.rotary_dim)
+    writer.add_rope_dimension_sections([11, 11, 10, 0])
+
+
+def _gemma_metadata(writer, hf, config):
+    swa = [t == "sliding_attention" for t in config.layer_types]
+    full_geometry = config.layer_geometry[swa.index(False)]
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(hf["max_position_embeddings"])
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv([g.num_key_value_heads for g in config.layer_geometry])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(config.rope_parameters["full_attention"]["rope_theta"])
+    writer.add_final_logit_softcapping(config.final_logit_softcapping)
+    writer.add_sliding_window(config.sliding_window)
+    writer.add_shared_kv_layers(0)
+    writer.add_embedding_length_per_layer_input(0)
+    writer.add_sliding_window_pattern(swa)
+    writer.add_key_length(full_geometry.head_dim)
+    writer.add_value_length(full_geometry.head_dim)
+    writer.add_key_length_swa(config.head_dim)
+    writer.add_value_length_swa(config.head_dim)
+    writer.add_rope_dimension_count(full_geometry.head_dim)
+    writer.add_rope_dimension_count_swa(config.head_dim)
+
+
+def _gemma_rope_freqs(config):
+    head_dim = next(g.head_dim for g, t in zip(config.layer_geometry, config.layer_types) if t == "full_attention")
+    rotated = int(head_dim * config.rope_parameters["full_attention"]["partial_rotary_factor"] / 2)
+    return torch.tensor([1.0] * rotated + [1e30] * (head_dim // 2 - rotated), dtype=torch.float32)
+
+
+# name -> GGUF type for the tensors that get one other than Q8_0 (float-only ones aside).
+_SPECIAL = {
+    QWEN.name: {"blk.0.ssm_out.weight": Q4_0, "blk.0.attn_gate.weight": Q4_0, "blk.3.attn_output.weight": Q4_0,
+                "blk.1.ffn_up_exps.weight": Q4_0},  # blk.1: gate Q8_0, up Q4_0 -> the mixed-format path
+    GEMMA4.name: {"blk.0.ffn_down.weight": Q4_0, "blk.5.attn_output.weight": Q4_0},
+}
+
+
+def _dq(w, qtype):
+    return torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(w.numpy(), qtype), qtype).copy())
+
+
+def _write_gguf(arch, path, leave_float=()):
+    """Write the tiny model as GGUF; returns (config, float model, {our name: gguf-py-dequantized
+    reference weight}, {our name: GGUF type of its quantized halves})."""
+    hf, config, model = _float_model(arch)
+    is_qwen = arch is QWEN
+    writer = gguf.GGUFWriter(str(path), "qwen35moe" if is_qwen else "gemma4")
+    (_qwen_metadata if is_qwen else _gemma_metadata)(writer, hf, config)
+    writer.add_token_list([f"t{i}".encode() for i in range(config.vocab_size)])
+    writer.add_eos_token_id(1)
+    reference, types = {}, {}
+    for name, w in model.state_dict().items():
+        w = w.detach().float()
+        parts = (_qwen_to_gguf if is_qwen else _gemma_to_gguf)(config, name, w)
+        halves = []
+        for gguf_name, t in parts:
+            quantize = w.dim() >= 2 and not any(s in name for s in _FLOAT_ONLY) and gguf_name not in leave_float
+            qtype = _SPECIAL[arch.name].get(gguf_name, Q8_0) if quantize else None
+            if qtype is None:
+                writer.add_tensor(gguf_name, t.contiguous().numpy())
+            else:
+                writer.add_tensor(gguf_name, gguf.quants.quantize(t.contiguous().numpy(), qtype), raw_dtype=qtype)
+            halves.append(qtype)
+        if halves and halves[0] is not None:
+            # Row and whole-group column permutations commute with block quantization, so the
+            # reference is gguf-py's round trip of the weight in our own layout.
+            if name.endswith(".experts.gate_up_proj"):
+                f = w.shape[1] // 2
+                reference[name] = torch.cat([_dq(w[:, :f], halves[0]), _dq(w[:, f:], halves[1])], dim=1)
+            else:
+                reference[name] = _dq(w, halves[0])
+            types[name] = tuple(halves)
+        elif halves:
+            reference[name] = w
+    if not is_qwen:
+        writer.add_tensor("rope_freqs.weight", _gemma_rope_freqs(config).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return config, model, reference, types
+
+
+@pytest.fixture(scope="module")
+def keep_recipe(tmp_path_factory):
+    """A recipe that quantizes nothing: the bundle then holds exactly what the GGUF held."""
+    path = tmp_path_factory.mktemp("recipe") / "keep.json"
+    path.write_text(json.dumps({"name": "keep", "rules": [{"pattern": ".*", "config": None}]}))
+    return str(path)
+
+
+@pytest.mark.parametrize("arch", [QWEN, GEMMA4], ids=lambda a: a.name)
+def test_gguf_checkpoint_end_to_end(arch, tmp_path, keep_recipe, capsys):
+    path = tmp_path / "model.gguf"
+    config, float_model, reference, types = _write_gguf(arch, path)
+    result = run(arch, checkpoint=str(path), recipe=keep_recipe, backend="bundle", out=str(tmp_path / "out"),
+                 resume=False, max_shard_size=1 << 20, verify=True, seed=0, progress=False)
+    printed = capsys.readouterr().out
+    assert "verification reference: the GGUF model" in printed
+    bundle = load_bundle(result["bundle"])
+    assert set(bundle) == set(reference) - ({"lm_head.weight"} if config.tie_word_embeddings else set())
+
+    # (a) exact import of every GGUF-quantized weight
+    checked = 0
+    for name, halves in types.items():
+        if arch is GEMMA4 and name == "model.embed_tokens.weight":  # dense by design (see models/gemma4/gguf_checkpoint.py)
+            assert torch.equal(bundle[name], reference[name])
+            assert "note: token_embd.weight: quantized (8-bit) in the GGUF; imported dequantized" in printed
+            continue
+        if len(set(halves)) != 1:  # gate/up stored in different formats: fused dense (see ExpertPairFuser)
+            assert isinstance(bundle[name], torch.Tensor) and torch.equal(bundle[name], reference[name]), name
+            assert "note: model.layers.1.mlp.experts.gate_up_proj: gate and up" in printed
+            continue
+        value = bundle[name]
+        assert isinstance(value, GroupQuantizedWeight), name
+        assert (value.bits, value.group_size) == ({Q8_0: 8, Q4_0: 4}[halves[0]], 32), name
+        assert torch.equal(dequantize_canonical(value), reference[name]), name
+        checked += 1
+    assert checked >= 10
+
+    # (b) the reloaded model == our model on gguf-py's dequantized weights
+    reloaded = build_quantized_model(arch.build_model(config, device="meta"), bundle)
+    on_reference = build_quantized_model(arch.build_model(config, device="meta"), dict(reference))
+    exact = compare_logits(on_reference, reloaded, vocab_size=config.vocab_size)
+    # fp32 forward passes that differ only in evaluation order: errors of order 1e-6 relative.
+    assert exact["cosine"] > 1 - 1e-9
+    assert exact["sqnr_db"] > 100
+    assert exact["tokens_quantized"] == exact["tokens_reference"]
+
+    # (c) close to the original float model
+    quality = compare_logits(float_model, reloaded, vocab_size=config.vocab_size)
+    print(f"{arch.name} GGUF (Q8_0 + some Q4_0) vs float: cosine {quality['cosine']:.5f}, "
+          f"SQNR {quality['sqnr_db']:.1f} dB; vs dequantized GGUF: SQNR {exact['sqnr_db']:.1f} dB")
+    assert quality["cosine"] >= 0.99
+    assert result["cosine"] == pytest.approx(1.0, abs=1e-9)  # run()'s own check: GGUF model vs bundle
+
+
+def test_int4_recipe_quantizes_float_tensors_and_keeps_gguf_ones(tmp_path):
+    """With a real recipe the float matrices are quantized and the GGUF-quantized ones pass through."""
+    path = tmp_path / "model.gguf"
+    _, _, reference, types = _write_gguf(GEMMA4, path, leave_float=("blk.0.ffn_gate.weight",))
+    result = run(GEMMA4, checkpoint=str(path), recipe="int4", backend="bundle", out=str(tmp_path / "out"),
+                 resume=False, max_shard_size=1 << 20, verify=False, seed=0, progress=False)
+    bundle = load_bundle(result["bundle"])
+    for name in types:
+        value = bundle[name]
+        if name != "model.embed_tokens.weight":
+            assert isinstance(value, GroupQuantizedWeight), name
+        dense = dequantize_canonical(value) if isinstance(value, GroupQuantizedWeight) else value
+        assert torch.equal(dense, reference[name]), name
+    from_recipe = bundle["model.layers.0.mlp.gate_proj.weight"]  # F32 in the GGUF -> the recipe's INT4
+    assert "model.layers.0.mlp.gate_proj.weight" not in types
+    assert isinstance(from_recipe, GroupQuantizedWeight) and from_recipe.bits == 4
+
+
+def test_wrong_architecture_is_refused(tmp_path):
+    path = tmp_path / "model.gguf"
+    _write_gguf(GEMMA4, path)
+    with pytest.raises(UsageError, match="general.architecture is 'gemma4'; expected 'qwen35moe'"):
+        run(QWEN, checkpoint=str(path), recipe="int4", backend="bundle", out=str(tmp_path / "out"), resume=False,
+            max_shard_size=1 << 20, verify=False, seed=0, progress=False)
+
+
+def test_missing_metadata_is_named():
+    metadata = {"general.architecture": "qwen35moe", "qwen35moe.block_count": 4}
+    with pytest.raises(ValueError, match="no 'qwen35moe.attention.key_length'"):
+        qwen_config_from_gguf(metadata, tensors=None)
+    with pytest.raises(ValueError, match="expected 'gemma4'"):
+        Metadata(metadata, "gemma4")
+
+
+def _q8(shape):
+    """A random weight quantized by gguf-py to Q8_0, imported as the reader imports it."""
+    from llmq.checkpoint.gguf_import import to_canonical
+
+    w = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    raw = torch.from_numpy(gguf.quants.quantize(w.numpy(), Q8_0).reshape(-1).copy())
+    return to_canonical("Q8_0", raw, tuple(shape))
+
+
+def test_inexact_transforms_on_quantized_data_are_refused():
+    qwen = QwenConverter(QWEN.config_from_hf(QWEN.tiny_hf_config()))
+    with pytest.raises(ValueError, match="blk.0.attn_norm.weight: stored quantized .* not exact"):
+        qwen.convert("blk.0.attn_norm.weight", _q8((1, 128)))
+    with pytest.raises(ValueError, match="no qwen35moe mapping"):
+        qwen.convert("blk.0.something_new.weight", torch.zeros(4))
+    qwen.convert("blk.0.ffn_gate_exps.weight", torch.zeros(16, 64, 128))
+    with pytest.raises(ValueError, match=r"only the \['gate'\] half"):
+        qwen.close()
+    gemma = GemmaConverter(GEMMA4.config_from_hf(GEMMA4.tiny_hf_config()))
+    with pytest.raises(ValueError, match="no gemma4 mapping"):
+        gemma.convert("blk.0.ffn_gate_exps.weight", torch.zeros(2, 4, 4))
+
+
+def test_quantized_column_blocks_permute_exactly():
+    """out_proj's V-head column reorder moves whole quantization groups: exact on quantized data."""
+    from models.pipeline.gguf_input import permute_column_blocks
+
+    w = _q8((8, 128))
+    perm = torch.tensor([2, 0, 3, 1])
+    moved = permute_column_blocks(w, perm, 32, name="x")
+    dense = dequantize_canonical(w)
+    assert torch.equal(dequantize_canonical(moved), dense.reshape(8, 4, 32)[:, perm].reshape(8, 128))
+    with pytest.raises(ValueError, match="split its quantization groups"):
+        permute_column_blocks(w, torch.arange(8), 16, name="x")
+
+
+def test_cli_reports_a_bad_gguf_in_one_line(tmp_path):
+    path = tmp_path / "broken.gguf"
+    path.write_bytes(b"GGUF" + bytes(40))
+    with pytest.raises((CheckpointError, UsageError)):
+        run(QWEN, checkpoint=str(path), recipe="int4", backend="bundle", out=str(tmp_path / "out"), resume=False,
+            max_shard_size=1 << 20, verify=False, seed=0, progress=False)

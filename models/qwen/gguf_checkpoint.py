@@ -1,0 +1,167 @@
+"""Qwen3.5-MoE from a llama.cpp GGUF file (arch ``qwen35moe``): config and tensors back to our layout.
+
+What llama.cpp's converter (``Qwen3_5MoeTextModel`` and its bases ``Qwen3NextModel`` /
+``_LinearAttentionVReorderBase`` / ``_Qwen35MtpMixin``) does, and how it is undone here:
+
+==============================================  =================================================
+converter                                       import
+==============================================  =================================================
+zero-centred RMSNorm weights (every            ``w - 1`` (F32 in GGUF; refused if quantized)
+``*norm.weight`` but ``linear_attn.norm``) +1
+``A_log`` stored as ``ssm_a = -exp(A_log)``     ``log(-ssm_a)`` (refused if quantized)
+``dt_bias`` renamed ``ssm_dt.bias``             rename
+conv1d [C, 1, K] squeezed to [C, K]             unsqueeze
+DeltaNet V heads reordered from grouped by K    inverse permutation: rows of in_proj_qkv (V part),
+head to tiled, when K heads != V heads          in_proj_z, in_proj_a/b, A_log, dt_bias, conv1d (V
+                                                part); column blocks of out_proj -- exact on
+                                                quantized rows, and on quantized columns when a
+                                                head is a whole number of groups
+experts gate_up [E, 2F, D] split into           fused back (exact for same-format halves, see
+ffn_gate_exps / ffn_up_exps                     gguf_input.ExpertPairFuser)
+MTP layers appended as blocks >= n_layer        dropped (the text model has no MTP head)
+==============================================  =================================================
+
+Attention q/k are not permuted for this architecture (no rotary interleave change), and M-RoPE
+reduces to plain RoPE for text, so the rope sections are not needed.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Dict, List, Tuple
+
+import torch
+
+from models.pipeline.gguf_input import (
+    ExpertPairFuser,
+    GGUFTensors,
+    Metadata,
+    Value,
+    permute_column_blocks,
+    permute_rows,
+    refuse_quantized,
+)
+from models.qwen import keymap
+
+GGUF_ARCH = "qwen35moe"
+
+_BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
+_PAIRS = {gate: "gate" for gate, _ in keymap.GGUF_EXPERT_PAIRS}
+_PAIRS.update({up: "up" for _, up in keymap.GGUF_EXPERT_PAIRS})
+_PAIR_TARGET = {half: target for pair, target in keymap.GGUF_EXPERT_PAIRS.items() for half in pair}
+
+
+def hf_config_from_gguf(metadata: Dict[str, Any], tensors: GGUFTensors) -> Dict[str, Any]:
+    """An HF ``qwen3_5_moe_text`` config.json dict from the GGUF metadata (ValueError names what is missing)."""
+    m = Metadata(metadata, GGUF_ARCH)
+    mtp_layers = int(m.get("nextn_predict_layers", 0))
+    num_layers = int(m.get("block_count")) - mtp_layers
+    head_dim = int(m.get("attention.key_length"))
+    if int(m.get("attention.value_length", head_dim)) != head_dim:
+        raise ValueError("GGUF qwen35moe: attention.value_length != key_length is not supported")
+    rotary = int(m.get("rope.dimension_count", head_dim))
+    interval = int(m.get("full_attention_interval"))
+    value_heads = int(m.get("ssm.time_step_rank"))
+    inner = int(m.get("ssm.inner_size"))
+    if inner % value_heads:
+        raise ValueError(f"GGUF qwen35moe: ssm.inner_size {inner} is not a multiple of ssm.time_step_rank {value_heads}")
+    if int(m.get("expert_shared_feed_forward_length", 0)) <= 0:
+        raise ValueError("GGUF qwen35moe: no expert_shared_feed_forward_length (Qwen3.5-MoE has a shared expert)")
+    config = {
+        "model_type": "qwen3_5_moe_text",
+        "vocab_size": m.vocab_size(tensors),
+        "hidden_size": int(m.get("embedding_length")),
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": int(m.scalar("attention.head_count")),
+        "num_key_value_heads": int(m.scalar("attention.head_count_kv")),
+        "head_dim": head_dim,
+        "rms_norm_eps": float(m.get("attention.layer_norm_rms_epsilon")),
+        "tie_word_embeddings": "output.weight" not in tensors.shapes,
+        "rope_parameters": {"rope_type": "default", "rope_theta": float(m.get("rope.freq_base")),
+                            "partial_rotary_factor": rotary / head_dim},
+        "linear_conv_kernel_dim": int(m.get("ssm.conv_kernel")),
+        "linear_key_head_dim": int(m.get("ssm.state_size")),
+        "linear_value_head_dim": inner // value_heads,
+        "linear_num_key_heads": int(m.get("ssm.group_count")),
+        "linear_num_value_heads": value_heads,
+        "moe_intermediate_size": int(m.get("expert_feed_forward_length")),
+        "shared_expert_intermediate_size": int(m.get("expert_shared_feed_forward_length")),
+        "num_experts": int(m.get("expert_count")),
+        "num_experts_per_tok": int(m.get("expert_used_count")),
+        "layer_types": ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)],
+        "max_position_embeddings": int(m.get("context_length", 32768)),
+    }
+    if "tokenizer.ggml.eos_token_id" in metadata:
+        config["eos_token_id"] = int(metadata["tokenizer.ggml.eos_token_id"])
+    return config
+
+
+def _grouped_from_tiled(k_heads: int, v_heads: int, head_dim: int) -> torch.Tensor:
+    """Index vector taking llama.cpp's tiled V-head order back to HF's grouped-by-K-head order:
+    HF row (k * R + r) * d + j sits at GGUF row (r * K + k) * d + j (R = V heads per K head)."""
+    per_k = v_heads // k_heads
+    return torch.arange(v_heads * head_dim).reshape(per_k, k_heads, head_dim).transpose(0, 1).reshape(-1)
+
+
+class GGUFConverter:
+    """``convert(gguf_name, value) -> [(model_name, value)]``, one GGUF tensor at a time;
+    ``close()`` checks nothing is left half-fused."""
+
+    def __init__(self, config):
+        self.config = config
+        self._fuser = ExpertPairFuser()
+        self.notes: List[str] = self._fuser.notes
+        k, v = config.linear_num_key_heads, config.linear_num_value_heads
+        self._key_dim = config.linear_key_head_dim * k
+        self._v_rows = _grouped_from_tiled(k, v, config.linear_value_head_dim)
+        self._v_heads = _grouped_from_tiled(k, v, 1)
+
+    def convert(self, name: str, value: Value) -> List[Tuple[str, Value]]:
+        match = _BLOCK.match(name)
+        if match:
+            layer, rest = int(match.group(1)), match.group(2)
+            if layer >= self.config.num_hidden_layers:
+                return []  # MTP blocks appended after the text stack
+            template = f"blk.{{L}}.{rest}"
+        else:
+            layer, template = None, name
+        if template in _PAIR_TARGET:
+            target = _PAIR_TARGET[template].format(L=layer)
+            return [(keymap.hf_to_llmq_key(t), v) for t, v in self._fuser.add(target, _PAIRS[template], value)]
+        hf_template = keymap.GGUF_TO_HF.get(template)
+        if hf_template is None:
+            raise ValueError(f"GGUF tensor {name!r} has no qwen35moe mapping (expected one of gguf-py's "
+                             f"QWEN35MOE tensor names used by the text model)")
+        hf_name = hf_template.format(L=layer)
+        return [(keymap.hf_to_llmq_key(hf_name), self._undo(hf_name, name, value))]
+
+    def _undo(self, hf_name: str, name: str, value: Value) -> Value:
+        if hf_name.endswith("norm.weight") and not hf_name.endswith("linear_attn.norm.weight"):
+            return refuse_quantized(name, value, "subtracting llama.cpp's +1 on a zero-centred norm").float() - 1.0
+        if hf_name.endswith(".linear_attn.A_log"):
+            a = refuse_quantized(name, value, "log(-ssm_a)").float()
+            if (a >= 0).any():
+                raise ValueError(f"{name}: ssm_a must be negative (-exp(A_log)); found values >= 0")
+            return permute_rows(torch.log(-a).reshape(-1), self._v_heads)
+        if hf_name.endswith(".linear_attn.dt_bias"):
+            return permute_rows(refuse_quantized(name, value, "a reshape").reshape(-1), self._v_heads)
+        if hf_name.endswith(".linear_attn.conv1d.weight"):
+            w = refuse_quantized(name, value, "a reshape to [C, 1, K]")
+            w = w.reshape(w.shape[0], -1)
+            v_part = w[2 * self._key_dim:].index_select(0, self._v_rows)
+            return torch.cat([w[: 2 * self._key_dim], v_part]).unsqueeze(1)
+        if hf_name.endswith(".linear_attn.in_proj_qkv.weight"):
+            keep = torch.arange(2 * self._key_dim)
+            return permute_rows(value, torch.cat([keep, self._v_rows + 2 * self._key_dim]))
+        if hf_name.endswith(".linear_attn.in_proj_z.weight"):
+            return permute_rows(value, self._v_rows)
+        if hf_name.endswith((".linear_attn.in_proj_a.weight", ".linear_attn.in_proj_b.weight")):
+            return permute_rows(value, self._v_heads)
+        if hf_name.endswith(".linear_attn.out_proj.weight"):
+            return permute_column_blocks(value, self._v_heads, self.config.linear_value_head_dim, name=name)
+        if hf_name.endswith(".mlp.shared_expert_gate.weight") and isinstance(value, torch.Tensor) and value.dim() == 1:
+            return value.reshape(1, -1)
+        return value
+
+    def close(self) -> None:
+        self._fuser.close()
