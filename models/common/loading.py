@@ -1,9 +1,9 @@
-"""Minimal Hugging Face safetensors loader for the models (until ``llmq.checkpoint`` takes over).
+"""Load a Hugging Face checkpoint into a model through ``llmq.checkpoint``.
 
-The loader is deliberately dumb: it renames every tensor through the model's key map, lets the
-model merge per-expert tensors (``merge``), then checks names and shapes against the model and
-assigns. Everything architecture-specific lives in the model package's key map, so swapping this
-loader for ``llmq.checkpoint.load_checkpoint(path, model, key_map=...)`` changes nothing else.
+Tensors are read with ``llmq.checkpoint.iter_checkpoint`` (validated headers, errors naming file
+and tensor) and renamed by the model's key map; the model then merges per-expert tensors
+(``merge``), the names and shapes are checked against the model, and the tensors are assigned.
+Everything architecture-specific lives in the model package's key map.
 """
 
 from __future__ import annotations
@@ -11,44 +11,11 @@ from __future__ import annotations
 import json
 import re
 import os
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Optional
 
 import torch
-from safetensors import safe_open
 
-
-def checkpoint_files(path: str | os.PathLike) -> List[str]:
-    """The safetensors files of an HF checkpoint: one file, an index's shards, or every *.safetensors."""
-    path = os.fspath(path)
-    if os.path.isfile(path):
-        if not path.endswith(".safetensors"):
-            raise ValueError(f"{path}: expected a .safetensors file or a Hugging Face checkpoint folder")
-        return [path]
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"{path}: no such checkpoint file or folder")
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            weight_map = json.load(f).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise ValueError(f"{index}: expected a 'weight_map' object mapping tensor names to shard files")
-        files = sorted(set(weight_map.values()))
-        missing = [s for s in files if not os.path.isfile(os.path.join(path, s))]
-        if missing:
-            raise FileNotFoundError(f"{index}: shard(s) named by the index do not exist: {missing}")
-        return [os.path.join(path, s) for s in files]
-    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{path}: no model.safetensors.index.json and no *.safetensors files")
-    return [os.path.join(path, f) for f in files]
-
-
-def iter_hf_tensors(path: str | os.PathLike) -> Iterator[Tuple[str, str, torch.Tensor]]:
-    """Yield (file, HF name, tensor) for every tensor of the checkpoint, one at a time."""
-    for file in checkpoint_files(path):
-        with safe_open(file, framework="pt") as f:
-            for name in f.keys():
-                yield file, name, f.get_tensor(name)
+from llmq.checkpoint import iter_checkpoint
 
 
 def read_config(path: str | os.PathLike) -> dict:
@@ -80,14 +47,12 @@ def load_hf_checkpoint(
     """
     tensors: Dict[str, torch.Tensor] = {}
     origin: Dict[str, str] = {}
-    for file, hf_name, tensor in iter_hf_tensors(path):
-        name = key_map(hf_name)
-        if name is None:
-            continue
+    # llmq.checkpoint validates every header before reading and names file and tensor on error.
+    for name, tensor in iter_checkpoint(path, key_map=key_map):
         if name in tensors:
-            raise ValueError(f"{file}: tensor {hf_name!r} maps to {name!r}, which {origin[name]} already provided")
+            raise ValueError(f"{os.fspath(path)}: two checkpoint tensors map to {name!r}")
         tensors[name] = tensor
-        origin[name] = f"{file}:{hf_name}"
+        origin[name] = "the checkpoint"
     if merge is not None:
         tensors = merge(tensors)
 
