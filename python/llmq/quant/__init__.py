@@ -5,6 +5,7 @@ The torchao converters (`to_torchao`, `from_torchao`) are imported on first use,
 `import llmq.quant` does not import torchao.
 """
 
+from llmq.quant._native import native_kernel_available
 from llmq.quant.formats import GroupQuantizedWeight, dequantize_canonical, pack_bits, unpack_bits
 from llmq.quant.fuse import fuse_along_output
 from llmq.quant.model import QuantizationReport, ReportEntry, quantize_model
@@ -39,6 +40,7 @@ __all__ = [
     "dequantize_canonical",
     "to_torchao",
     "from_torchao",
+    "native_kernel_available",
 ]
 
 

@@ -12,6 +12,11 @@ results can be checked bit-for-bit against it (docs/formats.md, "Quantization ru
 
 All arithmetic runs in float32 on the weight upcast to float32 (exact for bf16/fp16 inputs).
 Rounding is torch.round (half to even), as in torchao.
+
+When the compiled kernel (cpp/quant, loaded by llmq.quant._native) is available, integer
+weights on the CPU go through it instead: it performs the same float32 operations in the
+same order and returns identical bytes, ~20x faster (docs/formats.md, "Performance"). The torch code below is the
+reference (`quantize_weight_torch`) and the fallback.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from llmq.quant import _native
 from llmq.quant.formats import GroupQuantizedWeight, dequantize_canonical, pack_bits
 from llmq.quant.recipe import INT_FORMAT, QuantConfig
 
@@ -53,9 +59,14 @@ def _check_weight(w: torch.Tensor, config: QuantConfig, name: str) -> int:
     return gs
 
 
+class _NotFinite(Exception):
+    """A chunk held NaN/Inf; _quantize_torch reports it against the whole weight."""
+
+
 def _raise_not_finite(w: torch.Tensor, name: str) -> None:
-    """Called once a group's min/max came out NaN/Inf: name the first offending element."""
-    finite = torch.isfinite(w)
+    """Called once a group's min/max came out NaN/Inf: name the first offending element
+    (its index in w's own shape) and count them all."""
+    finite = torch.isfinite(w.detach())
     bad = (~finite).nonzero()[0].tolist()
     raise ValueError(f"{name}: weight has {int((~finite).sum())} NaN/Inf value(s), first at index {bad}")
 
@@ -104,7 +115,7 @@ def _quantize_rows(x: torch.Tensor, config: QuantConfig, gs: int, name: str):
     g = x.reshape(rows, k // gs, gs)
     xmin, xmax = g.amin(-1), g.amax(-1)  # both propagate NaN, and +-Inf shows up in one of them
     if not (bool(torch.isfinite(xmin).all()) and bool(torch.isfinite(xmax).all())):
-        _raise_not_finite(x, name)
+        raise _NotFinite()
     if config.symmetric:
         offset = 1 << (bits - 1)
         scale = _qparams_symmetric(xmin, xmax, bits)
@@ -129,13 +140,44 @@ def quantize_weight(w: torch.Tensor, config: QuantConfig, *, name: str = "<tenso
 
         return fp.quantize_fp_weight(w, config, name=name)
     gs = _check_weight(w, config, name)
-    shape = tuple(w.shape)
-    k = shape[-1]
-    lead = shape[:-1] if len(shape) >= 2 else (1,)
+    parts = None
+    if _native.applicable(w):
+        # None means a NaN/Inf or an overflowing range: the reference path below raises
+        # the matching error, naming the tensor and the first bad element.
+        parts = _native.quantize_rows(w.detach().reshape(-1, w.shape[-1]), config.bits, gs, config.symmetric)
+    if parts is None:
+        parts = _quantize_torch(w, config, gs, name)
+    return _assemble(w, config, gs, parts)
+
+
+def quantize_weight_torch(w: torch.Tensor, config: QuantConfig, *, name: str = "<tensor>") -> GroupQuantizedWeight:
+    """quantize_weight for integer formats by the torch reference path only (never the
+    compiled kernel): what the kernel is tested against, bit for bit."""
+    if isinstance(config, QuantConfig) and config.format != INT_FORMAT:
+        raise ValueError(f"{name}: quantize_weight_torch handles integer formats only, got {config.format!r}")
+    gs = _check_weight(w, config, name)
+    return _assemble(w, config, gs, _quantize_torch(w, config, gs, name))
+
+
+def _quantize_torch(w: torch.Tensor, config: QuantConfig, gs: int, name: str):
+    """The torch reference over all rows of w, chunk by chunk: (qdata, scale, bias) as [R, ...]."""
+    k = w.shape[-1]
     rows = w.detach().reshape(-1, k)
     step = max(1, _CHUNK_ELEMENTS // k)
-    parts = [_quantize_rows(rows[i : i + step].to(device="cpu", dtype=torch.float32), config, gs, name) for i in range(0, rows.shape[0], step)]
-    qdata, scale, bias = (torch.cat([p[j] for p in parts]) if len(parts) > 1 else parts[0][j] for j in range(3))
+    try:
+        parts = [_quantize_rows(rows[i : i + step].to(device="cpu", dtype=torch.float32), config, gs, name) for i in range(0, rows.shape[0], step)]
+    except _NotFinite:
+        parts = None
+    if parts is None:  # raised outside the except block, so the traceback stays clean
+        _raise_not_finite(w, name)
+    return tuple(torch.cat([p[j] for p in parts]) if len(parts) > 1 else parts[0][j] for j in range(3))
+
+
+def _assemble(w: torch.Tensor, config: QuantConfig, gs: int, parts) -> GroupQuantizedWeight:
+    """Reshape row-major (qdata, scale, bias) back to w's leading dimensions."""
+    shape = tuple(w.shape)
+    lead = shape[:-1] if len(shape) >= 2 else (1,)
+    qdata, scale, bias = parts
     return GroupQuantizedWeight(
         qdata=qdata.reshape(*lead, -1).contiguous(),
         scale=scale.reshape(*lead, -1).contiguous(),

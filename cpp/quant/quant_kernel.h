@@ -1,0 +1,51 @@
+// Group-wise integer weight quantization (method "minmax") into llmq's canonical form,
+// torch-free. It reproduces python/llmq/quant/quantize.py bit for bit: the same float32
+// operations in the same order (w * (1/scale), round half to even, clamp), so the Python
+// torch path stays the reference and this is only a faster way to get the same bytes.
+//
+//   w[r, k] ~= scale[r, k/gs] * q[r, k] + bias[r, k/gs],  q unsigned in [0, 2^bits)
+//   qdata rows: little-endian LSB-first bit stream, element k at bits [k*bits, (k+1)*bits).
+//
+// Every group is read once from memory: one sweep finds min/max (and NaN/Inf), the second
+// sweep (from L1) quantizes; a row is then packed. Rows are split across std::threads.
+// ISA paths (AVX-512, AVX2+F16C, portable) are chosen at run time; none needs -march.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace llmq_quant {
+
+enum class InputType { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+enum class Isa { kAuto = 0, kScalar = 1, kAvx2 = 2, kAvx512 = 3 };
+
+// What went wrong, if anything. Errors stop the work early; the caller reports them (the
+// Python wrapper re-runs its reference path, which raises the exact message).
+enum class Status { kOk = 0, kNotFinite = 1, kRangeOverflow = 2 };
+
+struct QuantizeArgs {
+  const void* w = nullptr;   // [rows, k] contiguous, of `input`
+  InputType input = InputType::kFloat32;
+  int64_t rows = 0;
+  int64_t k = 0;
+  int bits = 4;              // 2..8
+  int64_t group_size = 32;   // divides k
+  bool symmetric = true;
+  uint8_t* qdata = nullptr;  // [rows, k*bits/8]
+  float* scale = nullptr;    // [rows, k/group_size]
+  float* bias = nullptr;     // [rows, k/group_size]
+  int threads = 0;           // 0 = every CPU this process may run on
+  Isa isa = Isa::kAuto;
+};
+
+// Empty if the arguments describe a layout this kernel handles, else a reason.
+std::string check_args(const QuantizeArgs& a);
+
+// Quantize; the arguments must pass check_args (std::invalid_argument otherwise).
+Status quantize(const QuantizeArgs& a);
+
+// The best ISA path this CPU supports (what kAuto picks), and its name.
+Isa detect_isa();
+const char* isa_name(Isa isa);
+
+}  // namespace llmq_quant

@@ -1,0 +1,134 @@
+"""Optional compiled fast path for `quantize_weight` (Bazel target //cpp/quant:_quant_kernel.so).
+
+The kernel reproduces the torch reference in `llmq.quant.quantize` bit for bit (same float32
+operations in the same order; docs/formats.md, "Performance"), so using it or not changes
+speed only. It is torch-free and loaded by file path; when it cannot be found or loaded,
+`quantize_weight` quietly uses the torch path. Search order:
+  1. $LLMQ_QUANT_KERNEL: a path to the .so, or "off" / "0" to disable the kernel,
+  2. cpp/quant/ relative to the repository root this file lives in (runfiles or checkout),
+  3. cpp/quant/ under every sys.path entry and under $RUNFILES_DIR / $TEST_SRCDIR workspaces.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.machinery
+import importlib.util
+import os
+import sys
+from types import ModuleType
+from typing import List, Optional, Tuple
+
+import torch
+
+ENV_VAR = "LLMQ_QUANT_KERNEL"
+_DISABLED = ("off", "0", "none", "false")
+_INPUT_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+_module: Optional[ModuleType] = None
+_error: Optional[str] = None
+_threads = 0  # 0 = all hardware threads
+
+
+def _candidate_dirs() -> List[str]:
+    here = os.path.dirname(os.path.abspath(__file__))
+    repo_root = os.path.normpath(os.path.join(here, "..", "..", ".."))
+    dirs = [os.path.join(repo_root, "cpp", "quant")]
+    dirs += [os.path.join(entry, "cpp", "quant") for entry in sys.path if entry]
+    for var in ("RUNFILES_DIR", "TEST_SRCDIR"):
+        root = os.environ.get(var)
+        if root and os.path.isdir(root):
+            dirs += [os.path.join(root, ws, "cpp", "quant") for ws in sorted(os.listdir(root))]
+    return list(dict.fromkeys(dirs))
+
+
+def _load() -> Optional[ModuleType]:
+    """The extension module, or None (the reason is kept for native_kernel_error())."""
+    global _module, _error
+    if _module is not None or _error is not None:
+        return _module
+    env = os.environ.get(ENV_VAR, "")
+    if env.lower() in _DISABLED and env:
+        _error = f"disabled by {ENV_VAR}={env}"
+        return None
+    if env:
+        paths = [env] if os.path.isfile(env) else []
+        if not paths:
+            _error = f"{ENV_VAR}={env} does not name a file (expected the built _quant_kernel.so)"
+            return None
+    else:
+        paths = [p for d in _candidate_dirs() for p in sorted(glob.glob(os.path.join(d, "_quant_kernel*.so")))]
+    problems = []
+    for path in paths:
+        try:
+            loader = importlib.machinery.ExtensionFileLoader("_quant_kernel", path)
+            spec = importlib.util.spec_from_file_location("_quant_kernel", path, loader=loader)
+            module = importlib.util.module_from_spec(spec)
+            loader.exec_module(module)
+            _module = module
+            return module
+        except ImportError as e:  # wrong Python ABI, missing symbols, ...
+            problems.append(f"{path}: {e}")
+    _error = "; ".join(problems) if problems else "no cpp/quant/_quant_kernel*.so found (build //cpp/quant:_quant_kernel.so)"
+    return None
+
+
+def native_kernel_available() -> bool:
+    """True if the compiled quantization kernel loads (quantize_weight then uses it)."""
+    return _load() is not None
+
+
+def native_kernel_error() -> Optional[str]:
+    """Why the kernel is not in use (None when it is)."""
+    _load()
+    return _error
+
+
+def best_isa() -> Optional[str]:
+    """The ISA path the kernel picks on this CPU ('avx512', 'avx2', 'scalar'), or None."""
+    m = _load()
+    return m.best_isa() if m is not None else None
+
+
+def set_num_threads(threads: int) -> None:
+    """Threads the kernel splits rows over; 0 (the default) means all hardware threads."""
+    global _threads
+    if not isinstance(threads, int) or threads < 0:
+        raise ValueError(f"threads must be an int >= 0, got {threads!r}")
+    _threads = threads
+
+
+def get_num_threads() -> int:
+    return _threads
+
+
+def applicable(w: torch.Tensor) -> bool:
+    """Whether the kernel can take this tensor directly (a plain CPU tensor of a float type)."""
+    return (
+        type(w) in (torch.Tensor, torch.nn.Parameter)
+        and w.device.type == "cpu"
+        and w.dtype in _INPUT_NAMES
+        and _load() is not None
+    )
+
+
+def quantize_rows(
+    rows: torch.Tensor, bits: int, group_size: int, symmetric: bool, *, threads: Optional[int] = None, isa: str = "auto"
+) -> Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """rows[R, K] (CPU float) -> (qdata [R, K*bits/8], scale [R, G], bias [R, G]), or None if
+    the kernel met a NaN/Inf or an overflowing group range (the caller's reference path then
+    raises its error, naming the tensor). The caller has validated the configuration."""
+    m = _load()
+    if m is None:
+        raise RuntimeError(f"the quantization kernel is not available: {_error}")
+    rows = rows.detach().contiguous()
+    r, k = rows.shape
+    qdata = torch.empty(r, k * bits // 8, dtype=torch.uint8)
+    scale = torch.empty(r, k // group_size, dtype=torch.float32)
+    bias = torch.empty(r, k // group_size, dtype=torch.float32)
+    status = m.quantize(
+        rows.data_ptr(), _INPUT_NAMES[rows.dtype], r, k, bits, group_size, bool(symmetric),
+        qdata.data_ptr(), scale.data_ptr(), bias.data_ptr(),
+        _threads if threads is None else threads, isa,
+    )
+    return (qdata, scale, bias) if status == "ok" else None

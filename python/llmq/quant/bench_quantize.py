@@ -1,0 +1,67 @@
+"""Throughput of llmq.quant.quantize_weight: torch reference path vs the compiled kernel.
+
+Not a test: prints GB/s of input (bytes of the bf16 weight read per second), best and median
+of --repeats runs, for each shape x config x path x thread count. The machine may be shared,
+so the best is the figure to compare; the median shows the noise.
+
+    LLMQ_QUANT_KERNEL=/tmp/quant/_quant_kernel.so PYTHONPATH=python \\
+        .venv/bin/python python/llmq/quant/bench_quantize.py [--repeats 5] [--threads 1,2] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from llmq.quant import QuantConfig, _native
+from llmq.quant.quantize import quantize_weight, quantize_weight_torch
+
+SHAPES = {"4096x4096": (4096, 4096), "experts64x1024x2048": (64, 1024, 2048)}
+CONFIGS = {
+    "int4 g32 sym": QuantConfig(bits=4, group_size=32, symmetric=True),
+    "int4 g32 asym": QuantConfig(bits=4, group_size=32, symmetric=False),
+    "int8 per-channel": QuantConfig(bits=8, group_size=None, symmetric=True),
+}
+
+
+def _time(fn, repeats: int):
+    fn()  # warm: page in the input, allocator, thread start-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times), statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", default="1,2", help="comma-separated thread counts (torch and kernel)")
+    ap.add_argument("--quick", action="store_true", help="only the 4096x4096 shape")
+    args = ap.parse_args()
+    threads = [int(t) for t in args.threads.split(",")]
+    print(f"kernel: {'available, isa ' + str(_native.best_isa()) if _native.native_kernel_available() else 'NOT available: ' + str(_native.native_kernel_error())}")
+    print(f"{'shape':<22}{'config':<18}{'path':<8}{'threads':>8}{'best GB/s':>11}{'median GB/s':>13}")
+    for shape_name, shape in SHAPES.items():
+        if args.quick and shape_name != "4096x4096":
+            continue
+        w = (torch.randn(*shape) * 0.02).to(torch.bfloat16)
+        nbytes = w.numel() * w.element_size()
+        for cfg_name, cfg in CONFIGS.items():
+            for t in threads:
+                paths = [("torch", lambda: quantize_weight_torch(w, cfg))]
+                if _native.native_kernel_available():
+                    paths.append(("kernel", lambda: quantize_weight(w, cfg)))
+                for path, fn in paths:
+                    torch.set_num_threads(t)
+                    _native.set_num_threads(t)
+                    best, med = _time(fn, args.repeats)
+                    print(f"{shape_name:<22}{cfg_name:<18}{path:<8}{t:>8}{nbytes / best / 1e9:>11.2f}{nbytes / med / 1e9:>13.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
