@@ -10,13 +10,11 @@ Search order:
 
 from __future__ import annotations
 
-import glob
-import importlib.machinery
-import importlib.util
 import os
-import sys
 from types import ModuleType
 from typing import List, Optional
+
+from llmq._extensions import candidate_dirs, find_extension, load_first
 
 ENV_VAR = "LLMQ_MOE_KERNEL"
 _TARGET = "//cpp/moe:_moe_kernel.so"
@@ -29,36 +27,13 @@ class MoEKernelUnavailable(RuntimeError):
     """The compiled extension _moe_kernel.so could not be found or loaded."""
 
 
-def _candidate_dirs() -> List[str]:
-    here = os.path.dirname(os.path.abspath(__file__))
-    repo_root = os.path.normpath(os.path.join(here, "..", "..", ".."))
-    dirs = [os.path.join(repo_root, "cpp", "moe")]
-    for entry in sys.path:
-        if entry:
-            dirs.append(os.path.join(entry, "cpp", "moe"))
-    for var in ("RUNFILES_DIR", "TEST_SRCDIR"):
-        root = os.environ.get(var)
-        if root and os.path.isdir(root):
-            for ws in sorted(os.listdir(root)):
-                dirs.append(os.path.join(root, ws, "cpp", "moe"))
-    seen, out = set(), []
-    for d in dirs:
-        if d not in seen:
-            seen.add(d)
-            out.append(d)
-    return out
-
-
 def _find() -> List[str]:
     env = os.environ.get(ENV_VAR)
     if env:
         if not os.path.isfile(env):
             raise MoEKernelUnavailable(f"{ENV_VAR}={env} does not name a file (expected the built _moe_kernel.so)")
         return [env]
-    found = []
-    for d in _candidate_dirs():
-        found.extend(sorted(glob.glob(os.path.join(d, "_moe_kernel*.so"))))
-    return found
+    return find_extension("moe", "_moe_kernel")
 
 
 def load_kernel() -> ModuleType:
@@ -73,18 +48,11 @@ def load_kernel() -> ModuleType:
     except MoEKernelUnavailable as e:
         _error = str(e)
         raise
-    problems = []
-    for path in paths:
-        try:
-            loader = importlib.machinery.ExtensionFileLoader("_moe_kernel", path)
-            spec = importlib.util.spec_from_file_location("_moe_kernel", path, loader=loader)
-            module = importlib.util.module_from_spec(spec)
-            loader.exec_module(module)
-            _module = module
-            return module
-        except ImportError as e:  # wrong Python ABI, missing symbols, ...
-            problems.append(f"{path}: {e}")
-    detail = "; ".join(problems) if problems else "searched " + ", ".join(_candidate_dirs()[:4]) + ", ..."
+    module, problems = load_first("_moe_kernel", paths)
+    if module is not None:
+        _module = module
+        return module
+    detail = "; ".join(problems) if problems else "searched " + ", ".join(candidate_dirs("moe")[:4]) + ", ..."
     _error = (
         f"the compiled MoE kernel _moe_kernel.so ({_TARGET}) is not available: {detail}. "
         f"Build it with Bazel (depend on {_TARGET}) or set {ENV_VAR}=/path/to/_moe_kernel.so"

@@ -11,15 +11,13 @@ speed only. It is torch-free and loaded by file path; when it cannot be found or
 
 from __future__ import annotations
 
-import glob
-import importlib.machinery
-import importlib.util
 import os
-import sys
 from types import ModuleType
 from typing import List, Optional, Tuple
 
 import torch
+
+from llmq._extensions import find_extension, load_first
 
 ENV_VAR = "LLMQ_QUANT_KERNEL"
 _DISABLED = ("off", "0", "none", "false")
@@ -28,18 +26,6 @@ _INPUT_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.floa
 _module: Optional[ModuleType] = None
 _error: Optional[str] = None
 _threads = 0  # 0 = all hardware threads
-
-
-def _candidate_dirs() -> List[str]:
-    here = os.path.dirname(os.path.abspath(__file__))
-    repo_root = os.path.normpath(os.path.join(here, "..", "..", ".."))
-    dirs = [os.path.join(repo_root, "cpp", "quant")]
-    dirs += [os.path.join(entry, "cpp", "quant") for entry in sys.path if entry]
-    for var in ("RUNFILES_DIR", "TEST_SRCDIR"):
-        root = os.environ.get(var)
-        if root and os.path.isdir(root):
-            dirs += [os.path.join(root, ws, "cpp", "quant") for ws in sorted(os.listdir(root))]
-    return list(dict.fromkeys(dirs))
 
 
 def _load() -> Optional[ModuleType]:
@@ -57,18 +43,11 @@ def _load() -> Optional[ModuleType]:
             _error = f"{ENV_VAR}={env} does not name a file (expected the built _quant_kernel.so)"
             return None
     else:
-        paths = [p for d in _candidate_dirs() for p in sorted(glob.glob(os.path.join(d, "_quant_kernel*.so")))]
-    problems = []
-    for path in paths:
-        try:
-            loader = importlib.machinery.ExtensionFileLoader("_quant_kernel", path)
-            spec = importlib.util.spec_from_file_location("_quant_kernel", path, loader=loader)
-            module = importlib.util.module_from_spec(spec)
-            loader.exec_module(module)
-            _module = module
-            return module
-        except ImportError as e:  # wrong Python ABI, missing symbols, ...
-            problems.append(f"{path}: {e}")
+        paths = find_extension("quant", "_quant_kernel")
+    module, problems = load_first("_quant_kernel", paths)
+    if module is not None:
+        _module = module
+        return module
     _error = "; ".join(problems) if problems else "no cpp/quant/_quant_kernel*.so found (build //cpp/quant:_quant_kernel.so)"
     return None
 

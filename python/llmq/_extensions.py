@@ -1,0 +1,50 @@
+"""Find and load llmq's torch-free compiled extensions (`cpp/<dir>/_<name>*.so`) by file path.
+
+One search for every extension, so the same code finds a .so in a Bazel runfiles tree, in a
+source checkout, or wherever the extension's environment variable points:
+  1. $ENV_VAR, a path to the .so (callers decide what an unusable value means),
+  2. cpp/<dir>/ relative to the repository root this file lives in (runfiles or checkout),
+  3. cpp/<dir>/ under every sys.path entry and under $RUNFILES_DIR / $TEST_SRCDIR workspaces.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.machinery
+import importlib.util
+import os
+import sys
+from types import ModuleType
+from typing import List, Tuple
+
+
+def candidate_dirs(subdir: str) -> List[str]:
+    here = os.path.dirname(os.path.abspath(__file__))
+    repo_root = os.path.normpath(os.path.join(here, "..", ".."))
+    dirs = [os.path.join(repo_root, "cpp", subdir)]
+    dirs += [os.path.join(entry, "cpp", subdir) for entry in sys.path if entry]
+    for var in ("RUNFILES_DIR", "TEST_SRCDIR"):
+        root = os.environ.get(var)
+        if root and os.path.isdir(root):
+            dirs += [os.path.join(root, ws, "cpp", subdir) for ws in sorted(os.listdir(root))]
+    return list(dict.fromkeys(dirs))
+
+
+def find_extension(subdir: str, module_name: str) -> List[str]:
+    """Every `<module_name>*.so` in the candidate folders, in search order."""
+    return [p for d in candidate_dirs(subdir) for p in sorted(glob.glob(os.path.join(d, module_name + "*.so")))]
+
+
+def load_first(module_name: str, paths: List[str]) -> Tuple[ModuleType | None, List[str]]:
+    """Import the first of `paths` that loads; returns (module or None, one problem per failure)."""
+    problems = []
+    for path in paths:
+        try:
+            loader = importlib.machinery.ExtensionFileLoader(module_name, path)
+            spec = importlib.util.spec_from_file_location(module_name, path, loader=loader)
+            module = importlib.util.module_from_spec(spec)
+            loader.exec_module(module)
+            return module, problems
+        except ImportError as e:  # wrong Python ABI, missing symbols, ...
+            problems.append(f"{path}: {e}")
+    return None, problems
