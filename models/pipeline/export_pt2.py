@@ -448,4 +448,4 @@ def main_for(arch: Architecture, make_layout: Callable[[nn.Module, int], StaticC
             return 1
         return 0
 
-    app.run(lambda argv: sys.exit(_main(argv)))
+    app.run(lambda argv: sys.exit(_main(argv)), flags_parser=quantize_and_save.parse_flags_or_exit)

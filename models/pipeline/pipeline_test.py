@@ -96,3 +96,14 @@ def test_moe_op_path_tracks_eager_quantized_path(recipe, tmp_path):
     assert result["blocks"] == 4
     assert result["sqnr_db"] >= 25.0
     assert result["cosine"] >= 0.999
+
+
+@pytest.mark.parametrize("bad", ["--bogus", "--backend=tpu", "--max_shard_size=abc"])
+def test_bad_flags_are_one_line_and_exit_2(bad, capsys):
+    from models.pipeline.quantize_and_save import parse_flags_or_exit
+
+    with pytest.raises(SystemExit) as exit_info:
+        parse_flags_or_exit(["quantize_and_save", bad])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err

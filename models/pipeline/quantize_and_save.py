@@ -321,5 +321,13 @@ def main_for(arch: Architecture) -> None:
             return 2
         return 0
 
-    # absl reports bad flags itself (one "FATAL Flags parsing error" line, exit 1).
-    app.run(lambda argv: sys.exit(_main(argv)))
+    app.run(lambda argv: sys.exit(_main(argv)), flags_parser=parse_flags_or_exit)
+
+
+def parse_flags_or_exit(argv):
+    """absl's parser, but a bad flag is one line on stderr and exit status 2 (no usage dump)."""
+    try:
+        return FLAGS(argv)
+    except flags.Error as e:
+        print(f"error: {e} (see --helpshort)", file=sys.stderr)
+        sys.exit(2)
