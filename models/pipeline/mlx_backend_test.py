@@ -218,8 +218,11 @@ def test_mlx_lm_loads_the_folder_and_matches_our_quantized_model(arch, recipe, c
     assert err <= tol, f"mlx-lm logits differ from ours by {err:.3e} > {tol:.3e}"
 
 
-def test_quantize_and_save_backend_mlx(tmp_path):
-    result = run(QWEN, checkpoint=None, recipe="int4", backend="mlx", out=str(tmp_path / "out"), resume=True,
+@pytest.mark.parametrize("arch,recipe", [(QWEN, "int4"), (QWEN, "int8"), (GEMMA4, "int8")],
+                         ids=["qwen-int4", "qwen-int8", "gemma4-int8"])
+def test_quantize_and_save_backend_mlx(arch, recipe, tmp_path):
+    """Every recipe through the CLI path; int8 per-channel rows are regrouped to MLX groups."""
+    result = run(arch, checkpoint=None, recipe=recipe, backend="mlx", out=str(tmp_path / "out"), resume=True,
                  max_shard_size=1 << 20, verify=True, seed=0, progress=False)
     files = set(os.listdir(result["bundle"]))
     assert {"config.json", "tokenizer.json"} <= files and any(f.startswith("model") for f in files)
