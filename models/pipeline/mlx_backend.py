@@ -19,6 +19,7 @@ import torch
 
 from llmq.quant import GroupQuantizedWeight
 from models.pipeline.arch import Architecture
+from models.pipeline.report import verification_prompt
 
 Value = Union[torch.Tensor, GroupQuantizedWeight]
 
@@ -145,12 +146,6 @@ def agreement(reference: torch.Tensor, got: torch.Tensor) -> dict:
         "sqnr_db": math.inf if noise == 0 else 10 * math.log10(ref.pow(2).sum().item() / noise),
         "max_abs_error": (ref - got).abs().max().item(),
     }
-
-
-def verification_prompt(vocab_size: int, seed: int, prompt_len: int = 16) -> torch.Tensor:
-    """The prompt [1, T] the pipeline's report uses (same generator and seed as report.compare_logits)."""
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab_size, (1, prompt_len), generator=g)
 
 
 @torch.no_grad()

@@ -18,6 +18,7 @@ from models.gemma4.pipeline import ARCHITECTURE as GEMMA4
 from models.pipeline.arch import quantizable_module
 from models.pipeline.default_model import write_default_checkpoint
 from models.pipeline.quantized_model import build_quantized_model
+from models.pipeline.report import verification_prompt
 from models.pipeline.quantize_and_save import _read_hf_config, model_tensors, run
 from models.qwen import mlx_export as qwen_mlx
 from models.qwen.pipeline import ARCHITECTURE as QWEN
@@ -205,7 +206,7 @@ def test_mlx_lm_loads_the_folder_and_matches_our_quantized_model(arch, recipe, c
         assert abs(float(mx.mean(norm)) - 1.0) < 0.5  # +1 applied once (offsets are ~0, gains ~1)
 
     ours = build_quantized_model(arch.build_model(config, device="meta"), tensors)
-    prompt = mlx_backend.verification_prompt(config.vocab_size, seed=0, prompt_len=PROMPT_LEN)
+    prompt = verification_prompt(config.vocab_size, seed=0, prompt_len=PROMPT_LEN)
     got = mlx_backend.mlx_logits(model, prompt).double()
     with torch.no_grad():
         ref32 = ours(prompt)[0].double()

@@ -10,11 +10,16 @@ import torch
 from models.common.generation import generate
 
 
+def verification_prompt(vocab_size: int, seed: int, prompt_len: int = 16) -> torch.Tensor:
+    """The deterministic prompt [1, T] every verification in the pipeline runs."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (1, prompt_len), generator=g)
+
+
 @torch.no_grad()
 def compare_logits(reference: torch.nn.Module, quantized: torch.nn.Module, *, vocab_size: int, seed: int = 0,
                    prompt_len: int = 16, new_tokens: int = 8) -> Dict:
-    g = torch.Generator().manual_seed(seed)
-    prompt = torch.randint(0, vocab_size, (1, prompt_len), generator=g)
+    prompt = verification_prompt(vocab_size, seed, prompt_len)
     ref = reference(prompt).double()
     got = quantized(prompt).double()
     noise = (ref - got).pow(2).sum().item()
