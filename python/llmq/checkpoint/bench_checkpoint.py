@@ -185,8 +185,10 @@ def int4_recipe():
     return QuantRecipe([QuantRule(r"model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj", cfg)])
 
 
-def phase_stream(ckpt: str, out: str, fsync: bool, quantize: bool = True) -> dict:
-    """read -> (INT4 quantize_stream) -> save_bundle; quantize=False measures the I/O path alone."""
+def phase_stream(ckpt: str, out: str, fsync: bool, quantize: bool = True, max_shard_bytes: int = 0) -> dict:
+    """read -> (INT4 quantize_stream) -> save_bundle; quantize=False measures the I/O path alone.
+
+    max_shard_bytes=0 keeps save_bundle's default."""
     from llmq.checkpoint import iter_checkpoint, save_bundle
     from llmq.quant import quantize_stream
 
@@ -198,7 +200,8 @@ def phase_stream(ckpt: str, out: str, fsync: bool, quantize: bool = True) -> dic
     items = iter_checkpoint(ckpt)
     if quantize:
         items = quantize_stream(items, recipe)
-    save_bundle(items, out, recipe=recipe if quantize else None, fsync=fsync)
+    kwargs = {"max_shard_bytes": max_shard_bytes} if max_shard_bytes else {}
+    save_bundle(items, out, recipe=recipe if quantize else None, fsync=fsync, **kwargs)
     dt = time.perf_counter() - t0
     out_bytes = sum(os.path.getsize(p) for p in files_of(out))
     return {"seconds": dt, "baseline_rss": base, "peak_rss": peak_rss_bytes(), "out_bytes": out_bytes}
@@ -287,6 +290,10 @@ def main(argv=None) -> int:
     p.add_argument("--gguf-gb", type=float, default=1.0)
     p.add_argument("--workdir", default="/tmp/llmq_bench")
     p.add_argument("--keep", action="store_true", help="keep the generated files")
+    p.add_argument("--max-shard-mb", type=int, default=0,
+                   help="output shard size for the stream phases (default: save_bundle's, 2 GiB)")
+    p.add_argument("--no-fsync-row", action="store_true",
+                   help="also time the INT4 stream with fsync=False (how much the disk costs)")
     p.add_argument("--skip", default="", help="comma-separated phases to skip (read,stream,torchao,gguf)")
     p.add_argument("--phase", help=argparse.SUPPRESS)
     p.add_argument("--args", help=argparse.SUPPRESS)
@@ -315,11 +322,13 @@ def main(argv=None) -> int:
                       f"(baseline {r['baseline_rss'] / 1e6:.0f} MB)", flush=True)
                 rows.append(("read", size, r))
             if "stream" not in skip:
-                for quantize, fsync in ((True, True), (False, True)):
+                variants = [(True, True), (False, True)] + ([(True, False)] if a.no_fsync_row else [])
+                shard_note = f", {a.max_shard_mb} MiB shards" if a.max_shard_mb else ""
+                for quantize, fsync in variants:
                     out = os.path.join(a.workdir, f"bundle_{size:g}gb")
-                    s = run_phase("stream", ckpt, out, fsync, quantize)
+                    s = run_phase("stream", ckpt, out, fsync, quantize, a.max_shard_mb << 20)
                     what = "INT4 quantize_stream" if quantize else "no quantization (I/O only)"
-                    print(f"read -> {what} -> save_bundle (fsync={fsync}): {gb / s['seconds']:.2f} GB/s "
+                    print(f"read -> {what} -> save_bundle (fsync={fsync}{shard_note}): {gb / s['seconds']:.2f} GB/s "
                           f"({s['seconds']:.1f} s), peak RSS {s['peak_rss'] / 1e6:.0f} MB = "
                           f"{s['peak_rss'] / info['bytes']:.3f}x checkpoint (above baseline: "
                           f"{(s['peak_rss'] - s['baseline_rss']) / 1e6:.0f} MB = "

@@ -7,8 +7,16 @@ Written incrementally and crash-safely (format: docs/checkpoint.md):
   whatever the shard size, and every byte is written once. When the next tensor would
   exceed ``max_shard_bytes`` (or break natural alignment, or outgrow the header gap),
   the shard's header is written into the gap (padded with spaces), the file is hashed
-  (SHA-256) and renamed into place, and a journal records it. All shards are fsynced
-  once at the end, before the rename that makes the bundle visible.
+  (SHA-256) and renamed into place, and a journal records it. Every shard is fsynced
+  before the rename that makes the bundle visible.
+* The disk work runs on a background thread, so it overlaps reading and quantizing:
+  the caller only decides where each tensor goes (the layout is therefore the same as
+  a serial write) and queues its bytes; the queue is bounded (``write_queue_bytes``),
+  so memory stays bounded. The writer thread writes each tensor with ``os.pwrite``
+  straight from its buffer and the header of each full shard; a second thread hashes
+  and renames full shards while the next one fills, and a third fsyncs them. An error
+  on any of them is re-raised in the caller (naming the file) at the next ``add`` or at
+  ``close``, and the bundle is then never renamed into place.
 * Everything happens in ``<out>.partial``; only the finished folder is renamed to
   ``<out>``, so a run killed at any moment leaves no folder that looks complete.
 * Rerunning resumes by default: finished shards named in the journal are kept, the
@@ -24,6 +32,8 @@ import hashlib
 import json
 import os
 import shutil
+import threading
+from collections import deque
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 import torch
@@ -60,6 +70,12 @@ DEFAULT_MAX_SHARD_BYTES = 2 * 1024 ** 3
 VERIFY_AUTO_LIMIT = 4 * 1024 ** 3  # verify=None checks checksums up to this many bytes of shards
 SHARD_METADATA = {"format": "pt"}  # transformers refuses safetensors files without it
 _COPY_CHUNK = 16 * 1024 * 1024
+DEFAULT_WRITE_QUEUE_BYTES = 64 * 1024 * 1024  # tensor bytes queued for the writer thread, at most
+# With fsync on, a shard's dirty pages are flushed (fdatasync on the fsync thread) every this
+# many bytes, so the disk writes while the next tensors are read and quantized instead of
+# all at the end (the kernel alone would start only at dirty_background_ratio, GBs later).
+_FLUSH_EVERY = 128 * 1024 * 1024
+_MAX_WRITE = 1 << 30  # Linux writes at most 0x7ffff000 bytes per call; longer writes loop
 _QUANT_PARTS = ("qdata", "scale", "bias")
 
 
@@ -173,19 +189,95 @@ def header_reserve(max_shard_bytes: int) -> int:
     return reserve
 
 
+class _Worker:
+    """One background thread running jobs in submission order, with a bound on queued bytes.
+
+    The first failure is kept and re-raised by ``check``/``join`` in the caller's thread;
+    jobs queued after it are dropped (their bytes released), so nothing is written past
+    an error.
+    """
+
+    def __init__(self, name: str, limit_bytes: float):
+        self._limit = limit_bytes
+        self._jobs: deque = deque()
+        self._pending = 0
+        self._running = False
+        self._cv = threading.Condition()
+        self._stopping = False
+        self.error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Callable[[], None], nbytes: int = 0) -> None:
+        with self._cv:
+            # A job larger than the whole limit still goes in, once the queue is empty.
+            while self._pending and self._pending + nbytes > self._limit and self.error is None:
+                self._cv.wait()
+            self.check()
+            self._jobs.append((job, nbytes))
+            self._pending += nbytes
+            self._cv.notify_all()
+
+    def idle(self) -> bool:
+        with self._cv:
+            return not self._jobs and not self._running
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def join(self) -> None:
+        """Run every queued job, stop the thread, and re-raise its first error."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        self._thread.join()
+        self.check()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._jobs and not self._stopping:
+                    self._cv.wait()
+                if not self._jobs:
+                    return
+                job, nbytes = self._jobs.popleft()
+                self._running = True
+            try:
+                if self.error is None:
+                    job()
+            except BaseException as e:  # handed to the caller's thread
+                self.error = e
+            finally:
+                job = None  # drop the tensor references before waking the producer
+                with self._cv:
+                    self._pending -= nbytes
+                    self._running = False
+                    self._cv.notify_all()
+
+
+def _os_error(e: OSError, what: str, path: str, tensor: Optional[str] = None) -> CheckpointError:
+    return CheckpointError(f"{what} failed: {e.strerror or e}", path=path, tensor=tensor)
+
+
 class _ShardBuilder:
-    """One shard being filled: tensor bytes are written in arrival order after a reserved header gap."""
+    """One shard being filled: tensor bytes are written in arrival order after a reserved header gap.
+
+    The layout (``place``, ``header``) is decided in the caller's thread; ``write``,
+    ``finish`` and ``discard`` touch the file and run on the writer thread.
+    """
 
     def __init__(self, folder: str, index: int, reserve: int):
         self.folder = folder
         self.file = f"model-{index:05d}.safetensors"
         self.tmp = os.path.join(folder, self.file + ".tmp")
         self.reserve = reserve
-        self.nbytes = 0  # data bytes written
+        self.nbytes = 0  # data bytes placed
         self.tensors: List[Tuple[str, Dict[str, Any]]] = []
         self._entries: List[Tuple[str, torch.dtype, Tuple[int, ...], int]] = []
         self._fragment_sizes: List[int] = []
-        self._out = None
+        self._fd: Optional[int] = None
+        self._unflushed = 0  # bytes written since the last fdatasync was queued
 
     def __len__(self) -> int:
         return len(self.tensors)
@@ -211,43 +303,105 @@ class _ShardBuilder:
         return (offset <= max_bytes
                 and header_json_size(SHARD_METADATA, sizes) <= self.reserve - 8)
 
-    def add(self, fqn: str, record: Dict[str, Any], parts: List[Tuple[str, torch.Tensor]]) -> None:
-        if self._out is None:
-            self._out = open(self.tmp, "w+b", buffering=0)
-            self._out.seek(self.reserve)
+    def place(self, fqn: str, record: Dict[str, Any],
+              parts: List[Tuple[str, torch.Tensor]]) -> List[Tuple[str, int, memoryview]]:
+        """Reserve room for the parts; return (entry, file offset, bytes) for the writer thread."""
+        writes = []
         for entry, t in self._ordered(parts):
             mv = _tensor_bytes(t)
             self._fragment_sizes.append(
                 entry_fragment_size(entry, t.dtype, tuple(t.shape), self.nbytes, self.nbytes + len(mv)))
-            done = 0
-            while done < len(mv):
-                done += self._out.write(mv[done:])
+            writes.append((entry, self.reserve + self.nbytes, mv))
             self._entries.append((entry, t.dtype, tuple(t.shape), len(mv)))
             self.nbytes += len(mv)
         self.tensors.append((fqn, _normalised(dict(record, shard=self.file))))
+        return writes
 
     def header_overflows(self) -> bool:
         return header_json_size(SHARD_METADATA, self._fragment_sizes) > self.reserve - 8
 
-    def finish(self) -> Dict[str, Any]:
-        # No fsync here: the kernel writes the shard back while the next one fills, and a
-        # resume re-verifies every journaled shard's SHA-256 anyway. close() fsyncs all
-        # shards once, before the bundle is renamed into place.
-        header = encode_header(self._entries, SHARD_METADATA, pad_to=self.reserve - 8)
-        out, self._out = self._out, None
-        os.pwrite(out.fileno(), header, 0)
-        out.close()
+    def header(self) -> bytes:
+        return encode_header(self._entries, SHARD_METADATA, pad_to=self.reserve - 8)
+
+    # -- writer thread ----------------------------------------------------------------------------------
+    def _open(self) -> int:
+        if self._fd is None:
+            try:
+                self._fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            except OSError as e:
+                raise _os_error(e, "creating the shard", self.tmp) from None
+        return self._fd
+
+    def write(self, writes: List[Tuple[str, int, memoryview]], sync: Optional["_Worker"]) -> None:
+        fd = self._open()
+        for entry, offset, mv in writes:
+            done = 0
+            try:
+                while done < len(mv):
+                    n = os.pwrite(fd, mv[done:done + _MAX_WRITE], offset + done)
+                    if n <= 0:
+                        raise OSError(0, "the disk accepted no bytes")
+                    done += n
+            except OSError as e:
+                raise _os_error(e, "writing", self.tmp, tensor=entry) from None
+            self._unflushed += len(mv)
+        if sync is not None and self._unflushed >= _FLUSH_EVERY and sync.idle():
+            self._unflushed = 0
+            dup = os.dup(fd)  # the fsync thread's own handle: closing it never races with ours
+            sync.submit(lambda: _fsync_fd(dup, self.tmp, data_only=True))
+
+    def end_writes(self, header: bytes, sync: Optional["_Worker"]) -> None:
+        """Write the header into the gap and let go of the file (to ``sync`` for an fsync that
+        waits on the disk while the shard is hashed and the next one filled)."""
+        fd = self._open()
+        try:
+            os.pwrite(fd, header, 0)
+        except OSError as e:
+            raise _os_error(e, "writing the header", self.tmp) from None
+        self._fd = None
+        if sync is None:
+            os.close(fd)
+        else:
+            sync.submit(lambda: _fsync_fd(fd, self.tmp))
+
+    def seal(self) -> Dict[str, Any]:
+        """Hash the finished file and rename it into place; return its journal record."""
         final = os.path.join(self.folder, self.file)
-        digest = _sha256(self.tmp)  # read back from the page cache: cheaper than a second copy
-        os.replace(self.tmp, final)
+        try:
+            digest = _sha256(self.tmp)  # read back from the page cache: cheaper than a second copy
+            os.replace(self.tmp, final)
+        except OSError as e:
+            raise _os_error(e, "hashing and renaming", self.tmp) from None
         return {"file": self.file, "bytes": self.reserve + self.nbytes, "sha256": digest, "tensors": self.tensors}
 
     def discard(self) -> None:
-        if self._out is not None:
-            self._out.close()
-            self._out = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
         if os.path.exists(self.tmp):
             os.unlink(self.tmp)
+
+
+def _discard_on_error(shard: _ShardBuilder, fn: Callable[..., Any], *args: Any) -> Any:
+    """Run a writer-thread step; if it fails, close and delete the shard's temporary file."""
+    try:
+        return fn(*args)
+    except BaseException:
+        try:
+            shard.discard()
+        except OSError:
+            pass
+        raise
+
+
+def _fsync_fd(fd: int, path: str, data_only: bool = False) -> None:
+    """fsync (or fdatasync) then close fd; runs on the fsync thread."""
+    try:
+        (os.fdatasync if data_only else os.fsync)(fd)
+    except OSError as e:
+        raise _os_error(e, "fsync", path) from None
+    finally:
+        os.close(fd)
 
 
 class BundleWriter:
@@ -255,14 +409,19 @@ class BundleWriter:
 
     ``add(fqn, value)`` takes a tensor, a GroupQuantizedWeight, or a zero-argument
     callable producing one (only called when the tensor is not already on disk from
-    an interrupted run). ``close()`` finishes the bundle and renames it into place.
+    an interrupted run). ``close()`` finishes the bundle and renames it into place;
+    ``abort()`` stops it, keeping finished shards for a resume. One of the two must be
+    called: the disk work runs on a background thread until then. Tensors handed to
+    ``add`` must not be modified in place afterwards (their bytes may still be queued).
     """
 
     def __init__(self, out_dir: os.PathLike, *, recipe: Any = None, metadata: Optional[Dict[str, str]] = None,
                  max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, resume: bool = True, overwrite: bool = False,
-                 fsync: bool = True):
+                 fsync: bool = True, write_queue_bytes: int = DEFAULT_WRITE_QUEUE_BYTES):
         if max_shard_bytes <= 0:
             raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+        if write_queue_bytes < 0:
+            raise ValueError(f"write_queue_bytes must be >= 0, got {write_queue_bytes}")
         self.out_dir = os.path.abspath(os.fspath(out_dir))
         self.partial = self.out_dir + PARTIAL_SUFFIX
         self.fsync = fsync
@@ -274,7 +433,7 @@ class BundleWriter:
         # Round-tripped through canonical JSON so a resumed run's records match a fresh run's byte for byte.
         self.settings = _normalised({"max_shard_bytes": self.max_shard_bytes, "recipe": _recipe_to_json(recipe),
                                      "metadata": dict(metadata or {})})
-        self.shards: List[Dict[str, Any]] = []
+        self.shards: List[Dict[str, Any]] = []  # appended by the writer thread once a shard is in place
         self._replay: List[Tuple[str, Dict[str, Any]]] = []
         self._pos = 0
         self._names: Dict[str, str] = {}  # entry name -> fqn, to refuse collisions
@@ -284,7 +443,13 @@ class BundleWriter:
         else:
             os.makedirs(self.partial)
         self._journal()
-        self._shard = _ShardBuilder(self.partial, len(self.shards) + 1, self.reserve)
+        self._resumed = len(self.shards)
+        self._placed_shards = len(self.shards)  # shards closed in the caller's thread (maybe not yet on disk)
+        self._shard = _ShardBuilder(self.partial, self._placed_shards + 1, self.reserve)
+        self._writer = _Worker("llmq-bundle-writer", write_queue_bytes)
+        self._sealer = _Worker("llmq-bundle-hash", float("inf"))
+        self._syncer = _Worker("llmq-bundle-fsync", float("inf")) if fsync else None
+        self._stopped = False
 
     # -- resume ---------------------------------------------------------------------------------------
     def _recover(self, resume: bool) -> None:
@@ -336,6 +501,12 @@ class BundleWriter:
 
     # -- writing --------------------------------------------------------------------------------------
     def add(self, fqn: str, value: Union[Value, Callable[[], Value]]) -> None:
+        if self._stopped:
+            raise CheckpointError("this writer was already closed or aborted", path=self.partial)
+        self._writer.check()  # a failed background write or hash stops the run at the next tensor
+        self._sealer.check()
+        if self._syncer is not None:
+            self._syncer.check()
         if not isinstance(fqn, str) or not fqn:
             raise TypeError(f"tensor names must be non-empty strings, got {fqn!r}")
         if self._pos < len(self._replay):
@@ -364,26 +535,57 @@ class BundleWriter:
             self._close_shard()
         for entry, _ in parts:
             self._names[entry] = fqn
-        self._shard.add(fqn, record, parts)
-        if self._shard.header_overflows():  # one item with more entries than the reserve holds
+        shard = self._shard
+        writes = shard.place(fqn, record, parts)
+        if shard.header_overflows():  # one item with more entries than the reserve holds
             raise TensorMismatchError(f"needs a header larger than the {self.reserve}-byte reserve; "
                                       "raise max_shard_bytes", path=self.out_dir, tensor=fqn)
+        self._writer.submit(lambda: _discard_on_error(shard, shard.write, writes, self._syncer),
+                            sum(len(mv) for _, _, mv in writes))
 
     def _close_shard(self) -> None:
-        self.shards.append(self._shard.finish())
-        self._journal()
-        self._shard = _ShardBuilder(self.partial, len(self.shards) + 1, self.reserve)
+        shard, header = self._shard, self._shard.header()
+
+        def seal() -> None:  # on the sealer thread, in shard order
+            self.shards.append(_discard_on_error(shard, shard.seal))
+            self._journal()
+
+        def end_writes() -> None:  # on the writer thread, after the shard's last tensor
+            _discard_on_error(shard, shard.end_writes, header, self._syncer)
+            self._sealer.submit(seal)
+
+        self._writer.submit(end_writes)
+        self._placed_shards += 1
+        self._shard = _ShardBuilder(self.partial, self._placed_shards + 1, self.reserve)
+
+    def _drain(self) -> None:
+        """Wait for the writer and fsync threads; re-raise the first error either had."""
+        self._stopped = True
+        try:
+            self._writer.join()
+        finally:
+            try:
+                self._sealer.join()
+            finally:
+                if self._syncer is not None:
+                    self._syncer.join()
 
     def close(self) -> str:
         """Finish the last shard, write index + manifest, and rename the folder into place."""
+        if self._stopped:
+            raise CheckpointError("this writer was already closed or aborted", path=self.partial)
         if self._pos != len(self._replay):
             raise ResumeMismatchError(
                 f"the stream ended after {self._pos} tensors but the interrupted run had already written "
                 f"{len(self._replay)}", path=self.partial)
-        if len(self._shard):
-            self._close_shard()
-        else:
-            self._shard.discard()
+        try:
+            if len(self._shard):
+                self._close_shard()
+            self._drain()
+        except BaseException:
+            self.abort()
+            raise
+        self._shard.discard()
         tensors: Dict[str, Any] = {}
         weight_map: Dict[str, str] = {}
         for shard in self.shards:
@@ -409,7 +611,7 @@ class BundleWriter:
                       fsync=self.fsync)
         os.unlink(os.path.join(self.partial, JOURNAL))
         if self.fsync:  # everything durable before the folder can look complete
-            for shard in self.shards:
+            for shard in self.shards[:self._resumed]:  # the fsync thread did this run's shards
                 _fsync_file(os.path.join(self.partial, shard["file"]))
             _fsync_dir(self.partial)
         old = None
@@ -426,21 +628,30 @@ class BundleWriter:
         return self.out_dir
 
     def abort(self) -> None:
-        """Drop the unfinished shard; finished shards stay for a resume."""
+        """Stop: queued writes and shard closes still finish (so a resume can keep them) unless
+        the writer failed; the unfinished shard is dropped; finished shards stay for a resume."""
+        try:
+            self._drain()
+        except BaseException:
+            pass  # the caller is already handling an error; this one was (or will be) reported
         self._shard.discard()
+        for name in os.listdir(self.partial):  # shards whose jobs were dropped after a failure
+            if name.endswith(".safetensors.tmp"):
+                os.unlink(os.path.join(self.partial, name))
 
 
 def save_bundle(stream: Iterable[Tuple[str, Union[Value, Callable[[], Value]]]], out_dir: os.PathLike, *,
                 recipe: Any = None, metadata: Optional[Dict[str, str]] = None,
                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, resume: bool = True, overwrite: bool = False,
-                fsync: bool = True) -> str:
+                fsync: bool = True, write_queue_bytes: int = DEFAULT_WRITE_QUEUE_BYTES) -> str:
     """Write ``(fqn, tensor | GroupQuantizedWeight | callable)`` items as a bundle; return its path.
 
-    Peak memory is the tensor in flight (plus a 16 MiB hashing buffer), not the shard
-    or the model. A tensor larger than max_shard_bytes gets a shard of its own.
+    Peak memory is the tensor in flight plus at most ``write_queue_bytes`` of tensors
+    queued for the background writer (and a 16 MiB hashing buffer), not the shard or
+    the model. A tensor larger than max_shard_bytes gets a shard of its own.
     """
     writer = BundleWriter(out_dir, recipe=recipe, metadata=metadata, max_shard_bytes=max_shard_bytes,
-                          resume=resume, overwrite=overwrite, fsync=fsync)
+                          resume=resume, overwrite=overwrite, fsync=fsync, write_queue_bytes=write_queue_bytes)
     try:
         for fqn, value in stream:
             writer.add(fqn, value)

@@ -313,3 +313,88 @@ def test_iter_checkpoint_reads_a_bundle_in_canonical_form(tmp_path):
     assert [n for n, _ in got] == list(want)
     for n, v in got:
         assert_same(want[n], v)
+
+
+# -- the background writer ---------------------------------------------------------------------------
+
+def counting(items, seen):
+    for item in items:
+        seen.append(item[0])
+        yield item
+
+
+@pytest.mark.parametrize("fsync", [False, True])
+def test_a_failed_background_write_surfaces_naming_the_file_and_leaves_no_bundle(tmp_path, monkeypatch, fsync):
+    import errno
+
+    from llmq.checkpoint import bundle
+
+    real_pwrite = os.pwrite
+    victim = "model.layers.2.odd"
+    items = list(stream())
+    items.insert(11, (victim, torch.arange(123, dtype=torch.uint8)))  # the only entry of 123 bytes
+
+    def pwrite(fd, data, offset):
+        if len(data) == 123:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(bundle.os, "pwrite", pwrite)
+    seen = []
+    with pytest.raises(CheckpointError, match=r"model-\d+\.safetensors\.tmp.*odd.*No space left") as info:
+        save_bundle(counting(items, seen), tmp_path / "out", max_shard_bytes=3000, fsync=fsync,
+                    write_queue_bytes=0)
+    assert info.value.tensor == victim and info.value.path.endswith(".tmp")
+    assert len(seen) < len(items)  # the producer was stopped, not drained to the end
+    assert not (tmp_path / "out").exists()
+    partial = tmp_path / "out.partial"
+    assert not (partial / "llmq_manifest.json").exists()
+    assert not [n for n in os.listdir(partial) if n.endswith(".tmp")]  # the failed shard was removed
+    monkeypatch.setattr(bundle.os, "pwrite", real_pwrite)
+    ref = save_bundle(items, tmp_path / "ref", max_shard_bytes=3000, fsync=False)
+    save_bundle(items, tmp_path / "out", max_shard_bytes=3000, fsync=False)  # resumes
+    assert folder_digest(tmp_path / "out") == folder_digest(ref)
+
+
+def test_a_failed_hash_surfaces_at_close_naming_the_shard(tmp_path, monkeypatch):
+    from llmq.checkpoint import bundle
+
+    def broken(path):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(bundle, "_sha256", broken)
+    with pytest.raises(CheckpointError, match=r"model-00001\.safetensors\.tmp: hashing and renaming failed"):
+        save_bundle(stream(1), tmp_path / "out", fsync=False)  # one shard: fails inside close()
+    assert not (tmp_path / "out").exists()
+    assert os.listdir(tmp_path / "out.partial") == ["journal.json"]
+
+
+def test_writer_queue_holds_at_most_its_byte_limit():
+    from llmq.checkpoint.bundle import _Worker
+
+    worker = _Worker("test", limit_bytes=100)
+    pending_seen = []
+    for nbytes in (30, 30, 30, 30, 90, 250, 10):  # 250 is over the limit: admitted alone
+        worker.submit(lambda: pending_seen.append(worker._pending), nbytes)
+    worker.join()
+    assert len(pending_seen) == 7
+    assert max(pending_seen[:5] + pending_seen[6:]) <= 100 and pending_seen[5] == 250
+
+
+def test_writer_cannot_be_used_after_close_and_queue_size_is_checked(tmp_path):
+    w = BundleWriter(tmp_path / "b", fsync=False)
+    w.add("x", torch.ones(3))
+    w.close()
+    with pytest.raises(CheckpointError, match="already closed"):
+        w.add("y", torch.ones(3))
+    with pytest.raises(ValueError, match="write_queue_bytes"):
+        BundleWriter(tmp_path / "c", write_queue_bytes=-1)
+
+
+def test_flushing_while_writing_gives_the_same_bytes(tmp_path, monkeypatch):
+    from llmq.checkpoint import bundle
+
+    ref = save_bundle(stream(), tmp_path / "ref", max_shard_bytes=3000, fsync=False)
+    monkeypatch.setattr(bundle, "_FLUSH_EVERY", 1)  # an fdatasync queued after every write
+    out = save_bundle(stream(), tmp_path / "out", max_shard_bytes=3000, fsync=True, write_queue_bytes=0)
+    assert folder_digest(out) == folder_digest(ref)

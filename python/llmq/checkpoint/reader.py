@@ -1,16 +1,19 @@
 """iter_checkpoint / load_checkpoint: stream a checkpoint one tensor at a time.
 
-Only the tensor being yielded is materialised: each is read with one positioned read
-into fresh memory (safetensors, GGUF) and dropped by the caller before the next, so a
-60 GB checkpoint streams through a few hundred MB of RAM.
+Only the tensor being yielded is materialised (plus, by default, the next one, read on
+a background thread while the caller works on this one): each is read with one
+positioned read into fresh memory (safetensors, GGUF) and dropped by the caller before
+the next, so a 60 GB checkpoint streams through a few hundred MB of RAM.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 import warnings
-from typing import Callable, Dict, Iterator, List, Mapping, Optional, Tuple, Union
+from collections import deque
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple, Union
 
 import torch
 
@@ -55,19 +58,34 @@ def count_nonfinite(t: torch.Tensor) -> Tuple[int, int]:
     return int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
 
 
-def check_finite(name: str, value: Value, policy: str, *, path: str) -> None:
+def find_nonfinite(name: str, value: Value, policy: str) -> List[Tuple[str, str]]:
+    """(part name, message) for each part holding NaN/Inf; [] under policy "allow".
+
+    Thread-safe (it only reads), so the read-ahead thread can run it; raising or warning
+    is left to report_nonfinite in the consumer's thread.
+    """
     if policy == "allow":
-        return
+        return []
     parts = ((name, value),) if isinstance(value, torch.Tensor) else (
         (f"{name}.scale", value.scale), (f"{name}.bias", value.bias))
+    found = []
     for part_name, t in parts:
         n_nan, n_inf = count_nonfinite(t)
         if n_nan or n_inf:
-            msg = (f"holds {n_nan} NaN and {n_inf} Inf values; pass nonfinite='allow' or 'warn' to accept "
-                   "them")
-            if policy == "error":
-                raise NonFiniteWeightError(msg, path=path, tensor=part_name)
-            warnings.warn(f"{path}: tensor {part_name!r} {msg}", RuntimeWarning, stacklevel=3)
+            found.append((part_name, f"holds {n_nan} NaN and {n_inf} Inf values; pass nonfinite='allow' or "
+                                     "'warn' to accept them"))
+    return found
+
+
+def report_nonfinite(found: List[Tuple[str, str]], policy: str, *, path: str) -> None:
+    for part_name, msg in found:
+        if policy == "error":
+            raise NonFiniteWeightError(msg, path=path, tensor=part_name)
+        warnings.warn(f"{path}: tensor {part_name!r} {msg}", RuntimeWarning, stacklevel=4)
+
+
+def check_finite(name: str, value: Value, policy: str, *, path: str) -> None:
+    report_nonfinite(find_nonfinite(name, value, policy), policy, path=path)
 
 
 def _cast(value: Value, dtype: Optional[torch.dtype]) -> Value:
@@ -131,9 +149,70 @@ def checkpoint_names(path: os.PathLike, *, key_map: KeyMap = None,
     return out
 
 
+class _ReadAhead:
+    """Reads (and NaN-checks) up to ``depth`` tensors ahead of the consumer on one thread.
+
+    Reading (``preadv``) and the NaN/Inf check release the GIL, so they overlap whatever
+    the consumer does with the previous tensor (quantizing, writing). A slot is taken
+    before each read and given back when the consumer takes the tensor, so at most
+    ``depth`` tensors exist beyond the one the consumer holds. A read error is delivered
+    in order, when the consumer reaches that tensor.
+    """
+
+    _END = object()
+
+    def __init__(self, renames: List[Tuple[str, str]], read: Callable[[str, str], Any], depth: int):
+        self._renames, self._read = renames, read
+        self._slots = threading.Semaphore(depth)
+        self._ready: deque = deque()
+        self._cv = threading.Condition()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="llmq-read-ahead", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            for name, out in self._renames:
+                self._slots.acquire()
+                if self._stop:
+                    return
+                try:
+                    item = (name, out, self._read(name, out), None)
+                except BaseException as e:  # handed to the consumer at this position
+                    item = (name, out, None, e)
+                with self._cv:
+                    self._ready.append(item)
+                    self._cv.notify()
+                if item[3] is not None:
+                    return
+        finally:
+            with self._cv:
+                self._ready.append(self._END)
+                self._cv.notify()
+
+    def __iter__(self):
+        while True:
+            with self._cv:
+                while not self._ready:
+                    self._cv.wait()
+                item = self._ready.popleft()
+            if item is self._END:
+                return
+            self._slots.release()
+            name, out, value, error = item
+            if error is not None:
+                raise error
+            yield name, out, value
+
+    def stop(self) -> None:
+        self._stop = True
+        self._slots.release()  # wake the thread if it waits for a slot
+        self._thread.join()
+
+
 def iter_checkpoint(path: os.PathLike, *, key_map: KeyMap = None, convert: Convert = None,
                     dtype: Optional[torch.dtype] = None, tied: Optional[Mapping[str, str]] = None,
-                    nonfinite: str = "error") -> Iterator[Tuple[str, Value]]:
+                    nonfinite: str = "error", read_ahead: int = 1) -> Iterator[Tuple[str, Value]]:
     """Yield ``(fqn, tensor)`` one at a time from a safetensors file, an HF folder or a GGUF file.
 
     key_map: a mapping (names not in it pass through; a None value drops the tensor)
@@ -147,17 +226,28 @@ def iter_checkpoint(path: os.PathLike, *, key_map: KeyMap = None, convert: Conve
         yielded again under that name (the same tensor object, no copy).
     nonfinite: "error" (default) refuses NaN/Inf in float weights and quantization
         scales, "warn" warns, "allow" skips the check.
+    read_ahead: how many tensors to read (and check) on a background thread ahead of
+        the one being yielded; 0 reads in the caller's thread. Each costs one tensor of
+        memory; 1 (default) lets reading overlap the caller's work on this tensor.
 
     Every problem with the input raises a CheckpointError naming the file and tensor.
     """
     if nonfinite not in NONFINITE_POLICIES:
         raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
+    if not isinstance(read_ahead, int) or isinstance(read_ahead, bool) or read_ahead < 0:
+        raise ValueError(f"read_ahead must be an int >= 0, got {read_ahead!r}")
     path = os.fspath(path)
     plan = _plan(path, key_map, tied)
+
+    def read(name: str, out: str) -> Tuple[Value, List[Tuple[str, str]]]:
+        value = plan.source.read(name, dtype=dtype)
+        return value, find_nonfinite(out, value, nonfinite)
+
+    ahead = _ReadAhead(plan.renames, read, read_ahead) if read_ahead else None
+    items = iter(ahead) if ahead else ((name, out, read(name, out)) for name, out in plan.renames)
     try:
-        for name, out in plan.renames:
-            value = plan.source.read(name, dtype=dtype)
-            check_finite(out, value, nonfinite, path=plan.source.path)
+        for name, out, (value, nonfinite_parts) in items:
+            report_nonfinite(nonfinite_parts, nonfinite, path=plan.source.path)
             value = _cast(value, dtype)
             if convert is not None:
                 value = convert(out, value)
@@ -168,6 +258,8 @@ def iter_checkpoint(path: os.PathLike, *, key_map: KeyMap = None, convert: Conve
                 yield alias, value
             del value
     finally:
+        if ahead is not None:
+            ahead.stop()
         plan.source.close()
 
 

@@ -361,3 +361,69 @@ def test_every_safetensors_dtype_reads_and_rebundles(tmp_path):
     assert all(same(got[k], sd[k]) for k in sd)
     back = load_bundle(save_bundle(got.items(), tmp_path / "b", fsync=False))
     assert all(same(back[k], sd[k]) for k in sd)
+
+
+# -- read-ahead ----------------------------------------------------------------------------------------
+
+def _read_ahead_threads():
+    import threading
+
+    return sum(t.name == "llmq-read-ahead" for t in threading.enumerate())
+
+
+@pytest.mark.parametrize("read_ahead", [0, 1, 3])
+def test_read_ahead_yields_the_same_stream(tmp_path, read_ahead):
+    sd = tensors()
+    folder = write_hf_folder(tmp_path / "hf", sd, n_shards=3)
+    tied = {"lm_head.weight": "model.embed_tokens.weight"}
+    serial = [(n, t.clone()) for n, t in iter_checkpoint(folder, read_ahead=0, tied=tied)]
+    got = list(iter_checkpoint(folder, read_ahead=read_ahead, tied=tied))
+    assert [n for n, _ in got] == [n for n, _ in serial] and len(got) == len(sd) + 1
+    for (n, a), (m, b) in zip(got, serial):
+        assert n == m and torch.equal(a, b)
+
+
+def test_read_ahead_delivers_errors_in_order_and_stops_its_thread(tmp_path):
+    sd = tensors()
+    sd["model.layers.0.mlp.up_proj.weight"][3, 1] = float("nan")
+    save_file(sd, tmp_path / "m.safetensors")
+    before = _read_ahead_threads()
+    seen = []
+    with pytest.raises(NonFiniteWeightError, match=r"m\.safetensors: tensor 'model\.layers\.0\.mlp\.up_proj"):
+        for name, _ in iter_checkpoint(tmp_path / "m.safetensors", read_ahead=2):
+            seen.append(name)
+    order = [n for n in safe_open_keys(tmp_path / "m.safetensors")]
+    assert seen == order[:order.index("model.layers.0.mlp.up_proj.weight")]  # everything before it, in order
+    with pytest.warns(RuntimeWarning, match="up_proj"):  # warnings come from the consumer's thread
+        assert len(list(iter_checkpoint(tmp_path / "m.safetensors", nonfinite="warn"))) == len(sd)
+    it = iter_checkpoint(tmp_path / "m.safetensors", nonfinite="allow")
+    next(it)
+    it.close()  # a consumer that stops early: the thread is joined
+    assert _read_ahead_threads() == before
+
+
+def safe_open_keys(path):
+    from llmq.checkpoint.safetensors_io import read_header
+
+    return sorted(read_header(path).entries, key=lambda n: read_header(path).entries[n].start)
+
+
+def test_read_ahead_holds_at_most_its_depth(tmp_path, monkeypatch):
+    from llmq.checkpoint import safetensors_io
+
+    save_file(tensors(), tmp_path / "m.safetensors")
+    calls = []
+    real_read = safetensors_io.SafetensorsFile.read
+
+    def counting_read(self, name, *args, **kwargs):
+        calls.append(name)
+        return real_read(self, name, *args, **kwargs)
+
+    monkeypatch.setattr(safetensors_io.SafetensorsFile, "read", counting_read)
+    it = iter_checkpoint(tmp_path / "m.safetensors", read_ahead=1)
+    next(it)  # holding tensor 0: at most tensor 1 may have been read ahead
+    assert 1 <= len(calls) <= 2
+    rest = list(it)
+    assert len(rest) == 4 and len(calls) == 5
+    with pytest.raises(ValueError, match="read_ahead"):
+        next(iter_checkpoint(tmp_path / "m.safetensors", read_ahead=-1))
