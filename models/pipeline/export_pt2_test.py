@@ -127,17 +127,20 @@ def test_quantized_weights_are_uint8_in_the_saved_program(qwen, gemma):
     assert experts.dtype == torch.uint8 and experts.shape[0] == 4
 
 
-def _moe_kernel_available():
-    try:
-        from llmq.ops.kernel_loader import moe_kernel_available
-    except ImportError:
-        return False
-    return moe_kernel_available()
+def _require_moe_kernel():
+    """Under Bazel the kernel is a data dependency, so a missing one is a failure; a plain pytest
+    run in a checkout without the built .so skips (a build condition, said so)."""
+    from llmq.ops.kernel_loader import moe_kernel_available
+
+    if moe_kernel_available():
+        return
+    if os.environ.get("TEST_SRCDIR"):
+        pytest.fail("the compiled MoE kernel (//cpp/moe:_moe_kernel.so) failed to load under Bazel")
+    pytest.skip("the compiled MoE kernel (//cpp/moe:_moe_kernel.so) is not built in this checkout")
 
 
-@pytest.mark.skipif(not _moe_kernel_available(), reason="the compiled MoE kernel (//cpp/moe:_moe_kernel.so) is not "
-                    "built here; under Bazel it comes with //python/llmq/ops")
 def test_qwen_with_the_moe_op_in_the_graph(qwen_bundle, tmp_path):
+    _require_moe_kernel()
     result = _export_qwen(qwen_bundle, str(tmp_path / "export"), use_moe_quantized_op=True)
     _check_run(result)
     assert len(result["moe_op_blocks"]) == 4

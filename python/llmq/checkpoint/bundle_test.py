@@ -245,8 +245,6 @@ def torchao_friendly(seed, n=16, k=64, bits=4, gs=32):
 
 
 def test_torchao_output_option(tmp_path):
-    pytest.importorskip("llmq.quant.torchao_interop")
-    pytest.importorskip("torchao")
     from safetensors.torch import load_file, save_file
     from torchao.prototype.safetensors.safetensors_support import (
         flatten_tensor_state_dict,

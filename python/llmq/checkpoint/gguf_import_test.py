@@ -8,11 +8,10 @@ patterns, with one documented exception: gguf-py's d*(q-8) gives -0.0 where the
 additive form scale*q + bias gives +0.0, so exact zeros are compared by value.
 """
 
+import gguf
 import numpy as np
 import pytest
 import torch
-
-gguf = pytest.importorskip("gguf")
 
 from llmq.checkpoint import UnsupportedCheckpointError, iter_checkpoint, read_gguf_metadata  # noqa: E402
 from llmq.checkpoint.gguf_import import SUPPORTED_TYPES, GGUFFile  # noqa: E402
