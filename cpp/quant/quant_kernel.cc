@@ -606,4 +606,45 @@ Status quantize(const QuantizeArgs& a) {
   return static_cast<Status>(status.load());
 }
 
+// -- non-finite scan --------------------------------------------------------------------------
+
+namespace {
+
+// Counts NaN and Inf from raw bit patterns, block by block: `special` = exponent all ones
+// (NaN or Inf), `nan` = above the infinity pattern once the sign is masked off. Two
+// branch-free compare-and-add reductions in counters as wide as the elements, so the
+// baseline (SSE2) build vectorizes them; a block (16384) cannot overflow a 16-bit counter.
+template <typename Bits, Bits kAbsMask, Bits kInf>
+NonFiniteCounts count_bits(const Bits* x, int64_t n) {
+  NonFiniteCounts c;
+  constexpr int64_t kBlock = 1 << 14;
+  for (int64_t b = 0; b < n; b += kBlock) {
+    const int64_t e = std::min(n, b + kBlock);
+    Bits special = 0, nan = 0;
+    for (int64_t i = b; i < e; ++i) {
+      const Bits a = static_cast<Bits>(x[i] & kAbsMask);
+      special = static_cast<Bits>(special + (a >= kInf));
+      nan = static_cast<Bits>(nan + (a > kInf));
+    }
+    c.nan += nan;
+    c.inf += static_cast<int64_t>(special) - nan;
+  }
+  return c;
+}
+
+}  // namespace
+
+NonFiniteCounts count_nonfinite(const void* data, InputType input, int64_t n) {
+  if (n <= 0) return {};
+  switch (input) {
+    case InputType::kFloat32:
+      return count_bits<uint32_t, 0x7FFFFFFFu, 0x7F800000u>(static_cast<const uint32_t*>(data), n);
+    case InputType::kBFloat16:
+      return count_bits<uint16_t, 0x7FFF, 0x7F80>(static_cast<const uint16_t*>(data), n);
+    case InputType::kFloat16:
+      return count_bits<uint16_t, 0x7FFF, 0x7C00>(static_cast<const uint16_t*>(data), n);
+  }
+  return {};
+}
+
 }  // namespace llmq_quant

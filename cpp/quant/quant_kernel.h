@@ -44,6 +44,16 @@ std::string check_args(const QuantizeArgs& a);
 // Quantize; the arguments must pass check_args (std::invalid_argument otherwise).
 Status quantize(const QuantizeArgs& a);
 
+// NaN and +-Inf among n elements of `input` at `data`, from the bit patterns (exponent field
+// all ones; NaN iff the mantissa is non-zero). One thread, no allocation: the checkpoint
+// reader runs it on every float tensor it reads, on its read-ahead thread, where torch's
+// aminmax would start an OpenMP team that spins against the pipeline's other threads.
+struct NonFiniteCounts {
+  int64_t nan = 0;
+  int64_t inf = 0;
+};
+NonFiniteCounts count_nonfinite(const void* data, InputType input, int64_t n);
+
 // The best ISA path this CPU supports (what kAuto picks), and its name.
 Isa detect_isa();
 const char* isa_name(Isa isa);

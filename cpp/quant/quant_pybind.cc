@@ -64,6 +64,18 @@ std::string run_quantize(uintptr_t w, const std::string& input, int64_t rows, in
   }
 }
 
+// (NaN count, Inf count) of n elements at address `data`.
+py::tuple run_count_nonfinite(uintptr_t data, const std::string& input, int64_t n) {
+  if (n < 0) throw std::invalid_argument("n must be >= 0");
+  const InputType type = parse_input(input);
+  NonFiniteCounts c;
+  {
+    py::gil_scoped_release release;
+    c = count_nonfinite(reinterpret_cast<const void*>(data), type, n);
+  }
+  return py::make_tuple(c.nan, c.inf);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_quant_kernel, m) {
@@ -73,4 +85,6 @@ PYBIND11_MODULE(_quant_kernel, m) {
         py::arg("group_size"), py::arg("symmetric"), py::arg("qdata"), py::arg("scale"), py::arg("bias"),
         py::arg("threads") = 0, py::arg("isa") = "auto",
         "Quantize rows [rows, k] at the given addresses; returns 'ok', 'not_finite' or 'range_overflow'.");
+  m.def("count_nonfinite", &run_count_nonfinite, py::arg("data"), py::arg("input"), py::arg("n"),
+        "(NaN count, Inf count) among n elements of the given float type at address data (one thread).");
 }

@@ -7,7 +7,8 @@ phase's own):
   read      iter_checkpoint vs safetensors.safe_open (get_tensor, and get_tensor +
             clone) over the same tensors, page cache warm; ratio in one run.
   stream    iter_checkpoint -> llmq.quant.quantize_stream (INT4, g32, asymmetric) ->
-            save_bundle: throughput (GB of input per second) and peak RSS.
+            save_bundle: throughput (GB of input per second; median and best of --repeat
+            fresh processes, this machine being shared) and peak RSS (the worst run's).
   torchao   the usual way: load every shard whole (safetensors.torch.load_file), assign
             into a model, torchao.quantize_(IntxWeightOnlyConfig(int4, PerGroup(32))).
   gguf      iter_checkpoint over a GGUF of Q4_0/Q8_0/Q4_K/Q6_K tensors: GB/s of input.
@@ -23,6 +24,7 @@ import json
 import os
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -294,6 +296,8 @@ def main(argv=None) -> int:
                    help="output shard size for the stream phases (default: save_bundle's, 2 GiB)")
     p.add_argument("--no-fsync-row", action="store_true",
                    help="also time the INT4 stream with fsync=False (how much the disk costs)")
+    p.add_argument("--repeat", type=int, default=3,
+                   help="fresh-process runs of each stream variant (median and best are printed)")
     p.add_argument("--skip", default="", help="comma-separated phases to skip (read,stream,torchao,gguf)")
     p.add_argument("--phase", help=argparse.SUPPRESS)
     p.add_argument("--args", help=argparse.SUPPRESS)
@@ -326,10 +330,15 @@ def main(argv=None) -> int:
                 shard_note = f", {a.max_shard_mb} MiB shards" if a.max_shard_mb else ""
                 for quantize, fsync in variants:
                     out = os.path.join(a.workdir, f"bundle_{size:g}gb")
-                    s = run_phase("stream", ckpt, out, fsync, quantize, a.max_shard_mb << 20)
+                    runs = [run_phase("stream", ckpt, out, fsync, quantize, a.max_shard_mb << 20)
+                            for _ in range(max(1, a.repeat))]
+                    secs = sorted(r["seconds"] for r in runs)
+                    s = max(runs, key=lambda r: r["peak_rss"] - r["baseline_rss"])  # the worst run's memory
+                    s = dict(s, seconds=statistics.median(secs), best_seconds=secs[0], all_seconds=secs)
                     what = "INT4 quantize_stream" if quantize else "no quantization (I/O only)"
                     print(f"read -> {what} -> save_bundle (fsync={fsync}{shard_note}): {gb / s['seconds']:.2f} GB/s "
-                          f"({s['seconds']:.1f} s), peak RSS {s['peak_rss'] / 1e6:.0f} MB = "
+                          f"median, {gb / secs[0]:.2f} best of {len(secs)} ({', '.join(f'{x:.2f}' for x in secs)} s), "
+                          f"peak RSS {s['peak_rss'] / 1e6:.0f} MB = "
                           f"{s['peak_rss'] / info['bytes']:.3f}x checkpoint (above baseline: "
                           f"{(s['peak_rss'] - s['baseline_rss']) / 1e6:.0f} MB = "
                           f"{(s['peak_rss'] - s['baseline_rss']) / info['bytes']:.3f}x); output "

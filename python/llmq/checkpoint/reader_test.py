@@ -159,6 +159,29 @@ def test_nonfinite_policy(tmp_path, bad):
     assert len(list(iter_checkpoint(tmp_path / "m.safetensors", nonfinite="allow"))) == len(sd)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_nonfinite_counts_match_torch(dtype, monkeypatch):
+    """The compiled bit-pattern count (f32/bf16/f16) and the torch fallback (float64, or no
+    kernel) both equal torch.isnan / torch.isinf, with NaN and Inf of both signs."""
+    from llmq.checkpoint.reader import count_nonfinite
+    from llmq.quant import _native
+
+    g = torch.Generator().manual_seed(3)
+    t = torch.randn(300, 257, generator=g).to(dtype)
+    flat = t.view(-1)
+    flat[torch.randint(0, flat.numel(), (40,), generator=g)] = float("nan")
+    flat[torch.randint(0, flat.numel(), (30,), generator=g)] = float("inf")
+    flat[torch.randint(0, flat.numel(), (20,), generator=g)] = -float("inf")
+    flat[5] = -float("nan")
+    want = (int(torch.isnan(t).sum()), int(torch.isinf(t).sum()))
+    assert count_nonfinite(t) == want
+    if dtype != torch.float64 and os.environ.get("TEST_SRCDIR"):  # under Bazel the kernel is a data dep
+        assert _native.count_nonfinite(t) == want
+    monkeypatch.setattr(_native, "count_nonfinite", lambda t: None)  # the torch path
+    assert count_nonfinite(t) == want
+    assert count_nonfinite(torch.randn(8, 8).to(dtype)) == (0, 0)
+
+
 class Tiny(torch.nn.Module):
     def __init__(self):
         super().__init__()

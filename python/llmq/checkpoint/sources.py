@@ -149,7 +149,8 @@ class BundleSource(Source):
         self.path = path
         self._manifest = bundle.read_manifest(path)
         self._shards = {s["file"]: s for s in self._manifest["shards"]}
-        self._verify = sum(s["bytes"] for s in self._shards.values()) <= bundle.VERIFY_AUTO_LIMIT
+        verify = sum(s["bytes"] for s in self._shards.values()) <= bundle.VERIFY_AUTO_LIMIT
+        self._checksum = bundle.CHECKSUM_KEY[self._manifest["format_version"]] if verify else None
         self._open: Optional[SafetensorsFile] = None
 
     def names(self) -> List[str]:
@@ -159,7 +160,7 @@ class BundleSource(Source):
         rec = self._manifest["tensors"][name]
         if self._open is None or os.path.basename(self._open.path) != rec["shard"]:
             self.close()
-            self._open = self._bundle._open_shard(self.path, self._shards[rec["shard"]], self._verify)
+            self._open = self._bundle._open_shard(self.path, self._shards[rec["shard"]], self._checksum)
         return self._bundle._to_value(name, rec, self._open,
                                       mpath=os.path.join(self.path, self._bundle.MANIFEST))
 

@@ -111,3 +111,16 @@ def quantize_rows(
         _threads if threads is None else threads, isa,
     )
     return (qdata, scale, bias) if status == "ok" else None
+
+
+def count_nonfinite(t: torch.Tensor) -> Optional[Tuple[int, int]]:
+    """(NaN count, Inf count) of a contiguous CPU float32/bfloat16/float16 tensor from its bit
+    patterns on the calling thread, or None when the kernel is not loaded or the tensor is
+    not such a tensor (the caller then uses torch)."""
+    m = _load()
+    if (m is None or type(t) not in (torch.Tensor, torch.nn.Parameter) or t.device.type != "cpu"
+            or t.dtype not in _INPUT_NAMES or not t.is_contiguous()):
+        return None
+    nan, inf = m.count_nonfinite(t.data_ptr(), _INPUT_NAMES[t.dtype], t.numel())
+    return int(nan), int(inf)
+
