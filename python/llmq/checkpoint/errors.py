@@ -51,7 +51,7 @@ class NonFiniteWeightError(CheckpointError):
 
 
 class ChecksumError(CheckpointError):
-    """A bundle shard's SHA-256 differs from the manifest's."""
+    """A bundle shard's size or checksum (BLAKE3; SHA-256 in format 1) differs from the manifest's."""
 
 
 class BundleVersionError(CheckpointError):
