@@ -114,7 +114,53 @@ def check_moe_args(x, router_weight, expert_bias, w13_qdata, w13_sb, w2_qdata, w
     return e, d, f, fs
 
 
-@torch.library.custom_op("llmq::quantized_moe_ffn", mutates_args=(), device_types="cpu")
+# Registered with torch.library.Library rather than the custom_op decorator: the op is
+# called once per MoE layer per decoded token, and custom_op's Python wrapper (autograd
+# stub, argument re-binding) cost ~10 us of the ~40 us a small-shape call took end to end.
+_SCHEMA = (
+    "quantized_moe_ffn(Tensor x, Tensor router_weight, Tensor? expert_bias, Tensor w13_qdata, Tensor w13_sb, "
+    "Tensor w2_qdata, Tensor w2_sb, int top_k, int bits, int group_size, str score_func='softmax', "
+    "float route_scale=1.0, Tensor? shared_w13_qdata=None, Tensor? shared_w13_sb=None, "
+    "Tensor? shared_w2_qdata=None, Tensor? shared_w2_sb=None, Tensor? shared_gate_weight=None, "
+    "int shared_bits=4, int shared_group_size=32, int num_threads=0) -> Tensor"
+)
+_LIB = torch.library.Library("llmq", "FRAGMENT")
+_LIB.define(_SCHEMA)
+
+
+def _cpu_kernel(x, router_weight, expert_bias, w13_qdata, w13_sb, w2_qdata, w2_sb, top_k, bits, group_size,
+                score_func="softmax", route_scale=1.0, shared_w13_qdata=None, shared_w13_sb=None,
+                shared_w2_qdata=None, shared_w2_sb=None, shared_gate_weight=None, shared_bits=4,
+                shared_group_size=32, num_threads=0):
+    args = _kernel_args(x, router_weight, expert_bias, w13_qdata, w13_sb, w2_qdata, w2_sb, top_k, bits, group_size,
+                        score_func, route_scale, shared_w13_qdata, shared_w13_sb, shared_w2_qdata, shared_w2_sb,
+                        shared_gate_weight, shared_bits, shared_group_size, num_threads)
+    kernel = load_kernel()
+    out = torch.empty(x.shape, dtype=torch.float32)
+    kernel.moe_ffn(args["dict"], out.data_ptr())
+    return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+
+_LIB.impl("quantized_moe_ffn", _cpu_kernel, "CPU")
+
+
+# Not differentiable (an inference kernel on quantized weights): autograd falls through, as
+# PyTorch prescribes for such ops, so the output never requires grad and a backward through
+# it fails with "does not require grad" instead of silently returning no gradient. (A Python
+# autograd kernel that raised in backward cost ~9 us per call, as much as custom_op did.)
+_LIB.impl("quantized_moe_ffn", torch.library.fallthrough_kernel, "Autograd")
+
+
+@torch.library.register_fake("llmq::quantized_moe_ffn", lib=_LIB)
+def _(x, router_weight, expert_bias, w13_qdata, w13_sb, w2_qdata, w2_sb, top_k, bits, group_size,
+      score_func="softmax", route_scale=1.0, shared_w13_qdata=None, shared_w13_sb=None, shared_w2_qdata=None,
+      shared_w2_sb=None, shared_gate_weight=None, shared_bits=4, shared_group_size=32, num_threads=0):
+    check_moe_args(x, router_weight, expert_bias, w13_qdata, w13_sb, w2_qdata, w2_sb, top_k, bits, group_size,
+                   score_func, shared_w13_qdata, shared_w13_sb, shared_w2_qdata, shared_w2_sb, shared_gate_weight,
+                   shared_bits, shared_group_size, num_threads)
+    return torch.empty_like(x)
+
+
 def quantized_moe_ffn(
     x: torch.Tensor,
     router_weight: torch.Tensor,
@@ -137,24 +183,12 @@ def quantized_moe_ffn(
     shared_group_size: int = 32,
     num_threads: int = 0,
 ) -> torch.Tensor:
-    """Fused MoE FFN on kernel-packed INT4/INT8 experts (see llmq.ops.packing); returns [T, D] in x's dtype."""
-    args = _kernel_args(x, router_weight, expert_bias, w13_qdata, w13_sb, w2_qdata, w2_sb, top_k, bits, group_size,
-                        score_func, route_scale, shared_w13_qdata, shared_w13_sb, shared_w2_qdata, shared_w2_sb,
-                        shared_gate_weight, shared_bits, shared_group_size, num_threads)
-    kernel = load_kernel()
-    out = torch.empty(x.shape, dtype=torch.float32)
-    kernel.moe_ffn(args["dict"], out.data_ptr())
-    return out if x.dtype == torch.float32 else out.to(x.dtype)
-
-
-@quantized_moe_ffn.register_fake
-def _(x, router_weight, expert_bias, w13_qdata, w13_sb, w2_qdata, w2_sb, top_k, bits, group_size,
-      score_func="softmax", route_scale=1.0, shared_w13_qdata=None, shared_w13_sb=None, shared_w2_qdata=None,
-      shared_w2_sb=None, shared_gate_weight=None, shared_bits=4, shared_group_size=32, num_threads=0):
-    check_moe_args(x, router_weight, expert_bias, w13_qdata, w13_sb, w2_qdata, w2_sb, top_k, bits, group_size,
-                   score_func, shared_w13_qdata, shared_w13_sb, shared_w2_qdata, shared_w2_sb, shared_gate_weight,
-                   shared_bits, shared_group_size, num_threads)
-    return torch.empty_like(x)
+    """Fused MoE FFN on kernel-packed INT4/INT8 experts (see llmq.ops.packing); returns [T, D] in
+    x's dtype. Calls torch.ops.llmq.quantized_moe_ffn (so it traces and exports as that op)."""
+    return torch.ops.llmq.quantized_moe_ffn(
+        x, router_weight, expert_bias, w13_qdata, w13_sb, w2_qdata, w2_sb, top_k, bits, group_size, score_func,
+        route_scale, shared_w13_qdata, shared_w13_sb, shared_w2_qdata, shared_w2_sb, shared_gate_weight,
+        shared_bits, shared_group_size, num_threads)
 
 
 def _kernel_args(x, router_weight, expert_bias, w13_qdata, w13_sb, w2_qdata, w2_sb, top_k, bits, group_size,

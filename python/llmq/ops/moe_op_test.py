@@ -303,6 +303,20 @@ def test_opcheck():
         torch.library.opcheck(torch.ops.llmq.quantized_moe_ffn.default, (), args)
 
 
+def test_not_differentiable_output_never_requires_grad():
+    """Autograd falls through: with grad-requiring inputs the result is the same tensor values,
+    does not require grad, and backward fails loudly rather than returning no gradient."""
+    router, packed, sp, gate = small_setup()
+    x = torch.randn(3, 64, requires_grad=True)
+    out = torch.ops.llmq.quantized_moe_ffn(**op_args(x, router.requires_grad_(True), None, packed, 2, shared=sp,
+                                                     gate=gate))
+    assert not out.requires_grad
+    assert torch.equal(out, torch.ops.llmq.quantized_moe_ffn(**op_args(x.detach(), router.detach(), None, packed, 2,
+                                                                       shared=sp, gate=gate)))
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        out.sum().backward()
+
+
 class _Block(torch.nn.Module):
     def __init__(self, router, packed):
         super().__init__()
