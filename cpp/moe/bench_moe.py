@@ -13,10 +13,14 @@ and "% limit" = floor time / median time, the floor measured on this machine at 
 the larger of (bytes of the experts the batch hits, in that path's format) / (measured read
 bandwidth) and 2 * MACs / (measured peak of the instruction set the path uses: fp32 FMA,
 bf16 dot, int8 VNNI). Decode (T=1) is bandwidth-bound, prefill (T=512) compute-bound.
-Machine limits are the best of several runs; on a shared machine the median of the
-timings is inflated by other processes (the minimum less so). Consecutive calls use different
-random tokens, so different experts are hit and decode weights come from memory (the
-dense baselines share one pool of 64 distinct experts across the 256 slots to bound RAM).
+The methods of one case are timed side by side (five rounds, each running every method's
+share of the calls; see timed()), so a burst of load from other processes on this shared VM
+slows all of them alike and the "x op" ratios stay meaningful; the minimum is the better estimate of the uncontended time,
+the median of what a user sees. Machine limits are the best seen over the whole run: read
+bandwidth is probed again before every case (other tenants' memory traffic moves it
+between ~40 and ~75 GB/s here), so the table is printed at the end. Consecutive calls use
+different random tokens, so different experts are hit and decode weights come from memory
+(the dense baselines share one pool of 64 distinct experts across the 256 slots to bound RAM).
 """
 
 from __future__ import annotations
@@ -43,17 +47,29 @@ DENSE_POOL = 64
 ROTATE_BYTES = 128 << 20
 
 
-def timed(fn, inputs, reps):
-    """(median, min) seconds of fn(x, i) over reps calls, cycling through inputs (and weight
-    copies). Both are printed: on a shared machine the minimum is the better estimate of
-    the uncontended time, the median of what a user sees."""
-    times = []
-    for i in range(reps):
-        x = inputs[i % len(inputs)]
-        t0 = time.perf_counter()
-        fn(x, i)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), min(times)
+def timed(fns, inputs, reps, rounds=5):
+    """{name: (median, min)} seconds over reps calls of every fn(x, i), side by side: in each
+    of `rounds` rounds every method runs its share of the calls back to back, after a 50 ms
+    pause and, when calls are short, one untimed call. The pause matters: torch's OpenMP
+    workers keep spinning for milliseconds after a torch op, and on 2 cores a spinning
+    worker takes the core the op's second thread needs (measured: the op's T=1 median rose
+    from 0.32-0.38 to 0.43-0.59 ms when it ran right after torch calls). A burst of load from
+    other processes on this shared VM thus hits all methods alike."""
+    rounds = max(1, min(rounds, reps))
+    times = {name: [] for name in fns}
+    i = 0
+    for r in range(rounds):
+        block = reps // rounds + (1 if r < reps % rounds else 0)
+        for name, fn in fns.items():
+            time.sleep(0.05)  # let the previous method's threads (torch's OpenMP team spins) go idle
+            if reps >= 10:
+                fn(inputs[(i + block) % len(inputs)], i + block)  # untimed first call of the block
+            for j in range(i, i + block):
+                t0 = time.perf_counter()
+                fn(inputs[j % len(inputs)], j)
+                times[name].append(time.perf_counter() - t0)
+        i += block
+    return {name: (statistics.median(t), min(t)) for name, t in times.items()}
 
 
 class Layer:
@@ -190,22 +206,17 @@ def main(argv=None):
         return 2
     kernel = load_kernel()
     print(f"kernel isa: {kernel.best_isa()}; torch {torch.__version__}")
-    limits = {}
+    peak = {}
     for th in threads:
-        limits[th] = {
-            # best of several runs: the limit is what the machine can do when nothing else runs
-            "bw": kernel.measure_read_gbps(th, 1 << 30, 5),
+        # compute peaks are stable; bandwidth is re-probed before every case (see the docstring)
+        peak[th] = {
+            "bw": kernel.measure_read_gbps(th, 1 << 30, 6),
             "fp32": max(kernel.measure_peak_gops("fp32_fma", th, 0.2) for _ in range(3)),
             "bf16": max(kernel.measure_peak_gops("bf16_dot", th, 0.2) for _ in range(3)),
             "int8": max(kernel.measure_peak_gops("int8_vnni", th, 0.2) for _ in range(3)),
         }
-        lim = limits[th]
-        print(f"machine, {th} thread(s): read {lim['bw']:.1f} GB/s; peak fp32 FMA {lim['fp32']:.0f}, "
-              f"bf16 dot {lim['bf16']:.0f}, int8 VNNI {lim['int8']:.0f} Gop/s")
-    header = (f"{'shape':6} {'fmt':9} {'T':>4} {'thr':>3} | {'method':22} {'median ms':>10} {'min ms':>9} "
-              f"{'x op':>6} {'% limit':>8}")
-    print(header)
-    print("-" * len(header))
+    bw_seen = {th: [peak[th]["bw"]] for th in threads}
+    results = []  # (shape, fmt, T, threads, method, (median, min), isa, floor args)
     gen = torch.Generator().manual_seed(123)
     for sname, shape in shapes:
         d, f, e, k, fs = shape
@@ -219,33 +230,51 @@ def main(argv=None):
                 macs = t * (k * 3 * d * f + 3 * d * fs + e * d)
                 for th in threads:
                     torch.set_num_threads(th)
-                    lim = limits[th]
-                    rows = []
+                    bw_seen[th].append(kernel.measure_read_gbps(th, 256 << 20, 4))
+                    fns = {"(c) llmq op " + fname: lambda x, i, th=th: layer.run_op(x, th, i)}
+                    isas = {"(c) llmq op " + fname: "int8"}
                     layer.run_op(inputs[0], th)  # warm-up (pool threads, workspace)
-                    t_op = timed(lambda x, i: layer.run_op(x, th, i), inputs, reps)
-                    rows.append(("(c) llmq op " + fname, t_op, "int8"))
                     if layer.int4 is not None:
-                        xb = [x.bfloat16() for x in inputs]
-                        t_b = timed(layer.run_int4pack, xb, max(2, reps // 2))
-                        rows.append((f"(b) int4pack g{gs}", t_b, "bf16"))
+                        fns[f"(b) int4pack g{gs}"] = lambda x, i: layer.run_int4pack(x.bfloat16(), i)
+                        isas[f"(b) int4pack g{gs}"] = "bf16"
                     if base:
                         for dt, nm in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
-                            t_a = timed(lambda x, i: layer.run_dense(x, i, dt), inputs, max(2, reps // 2))
-                            rows.append((f"(a) dense {nm}", t_a, nm))
-                    for name, (sec, best), isa in rows:
-                        # the floor is the larger of: reading the weights of the experts this batch
-                        # hits (expected distinct experts for uniform routing) at the measured
-                        # bandwidth, and its multiply-adds at the measured peak of the path's ISA
-                        per_expert = layer.expert_bytes if name.startswith("(c)") else (
-                            3 * d * f * (2 if isa == "bf16" and name.startswith("(a)") else 4 if isa == "fp32"
-                                         else 0.5 + 4 / gs))
-                        shared_b = layer.shared_bytes if name.startswith("(c)") else per_expert * fs / f
-                        hit = e * (1 - (1 - k / e) ** t)
-                        need = max((hit * per_expert + shared_b) / (lim["bw"] * 1e9), 2 * macs / (lim[isa] * 1e9))
-                        # "x op": median time relative to the op's; "% limit": limit time / median time
-                        print(f"{sname:6} {fname:9} {t:>4} {th:>3} | {name:22} {sec * 1e3:10.3f} {best * 1e3:9.3f} "
-                              f"{sec / t_op[0]:6.2f} {100 * need / sec:7.1f}%", flush=True)
+                            fns[f"(a) dense {nm}"] = lambda x, i, dt=dt: layer.run_dense(x, i, dt)
+                            isas[f"(a) dense {nm}"] = nm
+                    for name, res in timed(fns, inputs, reps).items():
+                        results.append((sname, fname, t, th, name, res, isas[name], layer.expert_bytes,
+                                        layer.shared_bytes, macs, d, f, e, k, fs, gs))
+                    print(f"  measured {sname} {fname} T={t} threads={th}", file=sys.stderr, flush=True)
             del layer
+    for th in threads:
+        lim = peak[th]
+        lim["bw"] = max(bw_seen[th])
+        print(f"machine, {th} thread(s): read {lim['bw']:.1f} GB/s (best of {len(bw_seen[th])} probes; "
+              f"lowest {min(bw_seen[th]):.1f}); peak fp32 FMA {lim['fp32']:.0f}, bf16 dot {lim['bf16']:.0f}, "
+              f"int8 VNNI {lim['int8']:.0f} Gop/s")
+    header = (f"{'shape':6} {'fmt':9} {'T':>4} {'thr':>3} | {'method':22} {'median ms':>10} {'min ms':>9} "
+              f"{'x op':>6} {'% limit':>8}")
+    print(header)
+    print("-" * len(header))
+    op_time = {}
+    for r in results:
+        if r[4].startswith("(c)"):
+            op_time[r[:4]] = r[5][0]
+    for (sname, fname, t, th, name, (sec, best), isa, expert_bytes, shared_bytes, macs, d, f, e, k, fs,
+         gs) in results:
+        lim = peak[th]
+        # the floor is the larger of: reading the weights of the experts this batch hits
+        # (expected distinct experts for uniform routing) at the best bandwidth seen, and its
+        # multiply-adds at the measured peak of the path's ISA
+        per_expert = expert_bytes if name.startswith("(c)") else (
+            3 * d * f * (2 if isa == "bf16" and name.startswith("(a)") else 4 if isa == "fp32"
+                         else 0.5 + 4 / gs))
+        shared_b = shared_bytes if name.startswith("(c)") else per_expert * fs / f
+        hit = e * (1 - (1 - k / e) ** t)
+        need = max((hit * per_expert + shared_b) / (lim["bw"] * 1e9), 2 * macs / (lim[isa] * 1e9))
+        # "x op": median time relative to the op's; "% limit": limit time / median time
+        print(f"{sname:6} {fname:9} {t:>4} {th:>3} | {name:22} {sec * 1e3:10.3f} {best * 1e3:9.3f} "
+              f"{sec / op_time[(sname, fname, t, th)]:6.2f} {100 * need / sec:7.1f}%", flush=True)
     return 0
 
 

@@ -93,9 +93,16 @@ double measure_peak_gops(const std::string& kind, int threads, double seconds) {
 
 #if defined(__x86_64__)
 namespace {
+// Sums n bytes (a multiple of 256) in 64-byte loads; with kPrefetch > 0 each 256-byte step
+// also prefetches that far ahead, as the MoE kernel's decode loop does. The probe keeps the
+// better of the two so the measured "limit" is never below what the kernel's own access
+// pattern can draw from memory (on this VM the prefetching loop reads ~5% faster).
+template <int kPrefetch>
 __attribute__((target("avx512f"))) int64_t sum_bytes_avx512(const char* p, int64_t n) {
   __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
   for (int64_t i = 0; i + 256 <= n; i += 256) {
+    if (kPrefetch > 0)
+      for (int c = 0; c < 256; c += 64) _mm_prefetch(p + i + kPrefetch + c, _MM_HINT_T0);
     a0 = _mm512_add_epi64(a0, _mm512_loadu_si512(p + i));
     a1 = _mm512_add_epi64(a1, _mm512_loadu_si512(p + i + 64));
     a2 = _mm512_add_epi64(a2, _mm512_loadu_si512(p + i + 128));
@@ -122,7 +129,12 @@ double measure_read_gbps(int threads, int64_t bytes, int repeats) {
     pool.clear();
     auto start = std::chrono::steady_clock::now();
     for (int t = 0; t < threads; ++t)
-      pool.emplace_back([&, t] { sinks[t] = sum_bytes_avx512(buf.data() + t * part, part); });
+      pool.emplace_back([&, t, r] {
+        // alternate the plain and the prefetching loop (the end of a part is never prefetched past
+        // the buffer: part is a multiple of 256 and the prefetch hint does not fault)
+        sinks[t] = (r % 2) ? sum_bytes_avx512<512>(buf.data() + t * part, part)
+                           : sum_bytes_avx512<0>(buf.data() + t * part, part);
+      });
     for (auto& th : pool) th.join();
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     best = std::max(best, static_cast<double>(part) * threads / s * 1e-9);
