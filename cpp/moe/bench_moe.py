@@ -1,7 +1,7 @@
 """Benchmark of torch.ops.llmq.quantized_moe_ffn against eager PyTorch MoE layers.
 
     bazel run //cpp/moe:bench_moe -- [--quick] [--shapes qwen,small] [--tokens 1,8,64,512]
-        [--formats int4g32,int4g128,int8g128] [--threads 1,2] [--no-baselines]
+        [--formats int4g32,int4g128,int8g128,int4g32-bf,int4g128-bf] [--threads 1,2] [--no-baselines]
 
 Per case it prints the median and minimum wall time of one MoE layer (router + routed
 experts + shared expert) for
@@ -13,7 +13,7 @@ and "% limit" = floor time / median time, the floor measured on this machine at 
 the larger of (bytes of the experts the batch hits, in that path's format) / (measured read
 bandwidth) and 2 * MACs / (measured peak of the instruction set the path uses: fp32 FMA,
 bf16 dot, int8 VNNI). Decode (T=1) is bandwidth-bound, prefill (T=512) compute-bound.
-The methods of one case are timed side by side (five rounds, each running every method's
+Each (shape, format) runs in a fresh process. The methods of one case are timed side by side (five rounds, each running every method's
 share of the calls; see timed()), so a burst of load from other processes on this shared VM
 slows all of them alike and the "x op" ratios stay meaningful; the minimum is the better estimate of the uncontended time,
 the median of what a user sees. Machine limits are the best seen over the whole run: read
@@ -26,8 +26,11 @@ different random tokens, so different experts are hit and decode weights come fr
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -42,7 +45,10 @@ SHAPES = {  # name: (D, F, E, top_k, shared F)
     "qwen": (2048, 512, 256, 8, 512),
     "small": (1024, 256, 64, 4, 0),
 }
-FORMATS = {"int4g32": (4, 32), "int4g128": (4, 128), "int8g128": (8, 128), "int8g32": (8, 32)}
+# name: (bits, group size, scale/bias dtype); "-bf" = compact bfloat16 scales and biases
+FORMATS = {"int4g32": (4, 32, torch.float32), "int4g128": (4, 128, torch.float32),
+           "int8g128": (8, 128, torch.float32), "int8g32": (8, 32, torch.float32),
+           "int4g32-bf": (4, 32, torch.bfloat16), "int4g128-bf": (4, 128, torch.bfloat16)}
 DENSE_POOL = 64
 ROTATE_BYTES = 128 << 20
 
@@ -61,7 +67,7 @@ def timed(fns, inputs, reps, rounds=5):
     for r in range(rounds):
         block = reps // rounds + (1 if r < reps % rounds else 0)
         for name, fn in fns.items():
-            time.sleep(0.05)  # let the previous method's threads (torch's OpenMP team spins) go idle
+            time.sleep(float(os.environ.get("BENCH_PAUSE", "0.05")))  # let the previous method's threads (torch's OpenMP team spins) go idle
             if reps >= 10:
                 fn(inputs[(i + block) % len(inputs)], i + block)  # untimed first call of the block
             for j in range(i, i + block):
@@ -75,16 +81,16 @@ def timed(fns, inputs, reps, rounds=5):
 class Layer:
     """One random MoE layer in every form the benchmark needs."""
 
-    def __init__(self, shape, bits, gs, need_dense, need_int4pack):
+    def __init__(self, shape, bits, gs, need_dense, need_int4pack, scale_dtype=torch.float32):
         d, f, e, k, fs = shape
         self.d, self.f, self.e, self.k, self.fs = d, f, e, k, fs
         router, w13, w2, shared = random_moe(e, d, f, bits, gs, seed=0, shared_inter=fs)
         self.router = router
-        self.packed = pack_moe_experts(w13, w2)
+        self.packed = pack_moe_experts(w13, w2, scale_dtype)
         # enough copies that consecutive calls cannot find their weights in the 32 MiB L3
         self.copies = [self.packed] + [
             _clone(self.packed) for _ in range(max(0, math.ceil(ROTATE_BYTES / self.packed.nbytes) - 1))]
-        self.shared = pack_moe_experts(shared[0], shared[1]) if shared else None
+        self.shared = pack_moe_experts(shared[0], shared[1], scale_dtype) if shared else None
         self.shared_gate = shared[2] if shared else None
         self.bits, self.gs = bits, gs
         self.expert_bytes = self.packed.nbytes / e
@@ -185,17 +191,69 @@ def _int4pack(w, i):
     return packed, sz
 
 
+def measure_case(kernel, sname, fname, tokens, threads, dense, int4pack):
+    """Timings of one (shape, format) over every T and thread count, in this process:
+    [(shape, fmt, T, threads, method, (median, min), isa, expert_bytes, shared_bytes, macs,
+    d, f, e, k, fs, gs)], and the read bandwidths probed before each case {threads: [GB/s]}."""
+    shape = SHAPES[sname]
+    d, f, e, k, fs = shape
+    bits, gs, scale_dtype = FORMATS[fname]
+    gen = torch.Generator().manual_seed(123)
+    layer = Layer(shape, bits, gs, need_dense=dense, need_int4pack=int4pack and bits == 4, scale_dtype=scale_dtype)
+    results, bw_seen = [], {th: [] for th in threads}
+    for t in tokens:
+        inputs = [torch.randn(t, d, generator=gen) for _ in range(8)]
+        reps = 50 if t == 1 else 20 if t <= 8 else 6 if t <= 64 else 3
+        macs = t * (k * 3 * d * f + 3 * d * fs + e * d)
+        for th in threads:
+            torch.set_num_threads(th)
+            bw_seen[th].append(kernel.measure_read_gbps(th, 256 << 20, 4))
+            fns = {"(c) llmq op " + fname: lambda x, i, th=th: layer.run_op(x, th, i)}
+            isas = {"(c) llmq op " + fname: "int8"}
+            layer.run_op(inputs[0], th)  # warm-up (pool threads, workspace)
+            if layer.int4 is not None:
+                fns[f"(b) int4pack g{gs}"] = lambda x, i: layer.run_int4pack(x.bfloat16(), i)
+                isas[f"(b) int4pack g{gs}"] = "bf16"
+            if dense:
+                for dt, nm in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
+                    fns[f"(a) dense {nm}"] = lambda x, i, dt=dt: layer.run_dense(x, i, dt)
+                    isas[f"(a) dense {nm}"] = nm
+            for name, res in timed(fns, inputs, reps).items():
+                results.append((sname, fname, t, th, name, res, isas[name], layer.expert_bytes,
+                                layer.shared_bytes, macs, d, f, e, k, fs, gs))
+            print(f"  measured {sname} {fname} T={t} threads={th}", file=sys.stderr, flush=True)
+    return results, bw_seen
+
+
+def run_child(sname, fname, args, dense):
+    """measure_case in a fresh process: each (shape, format) starts from the same state (in
+    one process, formats measured after the first showed 1.3-1.9x slower medians at T=1
+    while the same calls in a tight loop did not change; a fresh process removes the doubt)."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", "--shapes", sname, "--formats", fname,
+           "--tokens", args.tokens, "--threads", args.threads] + (["--dense"] if dense else []) + (
+        ["--no-baselines"] if args.no_baselines else [])
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=dict(os.environ))
+    if proc.returncode:
+        raise RuntimeError(f"bench_moe child for {sname} {fname} failed (exit {proc.returncode})")
+    data = json.loads(proc.stdout.strip().splitlines()[-1])
+    return [tuple(r[:5]) + (tuple(r[5]),) + tuple(r[6:]) for r in data["results"]], {
+        int(th): v for th, v in data["bw"].items()}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="qwen,small")
     ap.add_argument("--tokens", default="1,8,64,512")
-    ap.add_argument("--formats", default="int4g32,int4g128,int8g128")
+    ap.add_argument("--formats", default="int4g32,int4g128,int8g128,int4g32-bf,int4g128-bf")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--no-baselines", action="store_true", help="time only the op")
-    ap.add_argument("--quick", action="store_true", help="qwen + small, T=1 and 512, int4g128, 2 threads")
+    ap.add_argument("--quick", action="store_true",
+                    help="qwen + small, T=1 and 512, int4g128 (float32 and bfloat16 scales), 2 threads")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--dense", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.quick:
-        args.tokens, args.formats, args.threads = "1,512", "int4g128", "2"
+        args.tokens, args.formats, args.threads = "1,512", "int4g128,int4g128-bf", "2"
     try:
         shapes = [(s, SHAPES[s]) for s in args.shapes.split(",")]
         formats = [(f, FORMATS[f]) for f in args.formats.split(",")]
@@ -205,6 +263,11 @@ def main(argv=None):
         print(f"bench_moe: bad argument {e}; shapes {list(SHAPES)}, formats {list(FORMATS)}", file=sys.stderr)
         return 2
     kernel = load_kernel()
+    if args.child:
+        results, bw = measure_case(kernel, shapes[0][0], formats[0][0], tokens, threads, args.dense,
+                                   not args.no_baselines)
+        print(json.dumps({"results": results, "bw": bw}))
+        return 0
     print(f"kernel isa: {kernel.best_isa()}; torch {torch.__version__}")
     peak = {}
     for th in threads:
@@ -216,43 +279,21 @@ def main(argv=None):
             "int8": max(kernel.measure_peak_gops("int8_vnni", th, 0.2) for _ in range(3)),
         }
     bw_seen = {th: [peak[th]["bw"]] for th in threads}
-    results = []  # (shape, fmt, T, threads, method, (median, min), isa, floor args)
-    gen = torch.Generator().manual_seed(123)
-    for sname, shape in shapes:
-        d, f, e, k, fs = shape
-        for fi, (fname, (bits, gs)) in enumerate(formats):
-            base = not args.no_baselines and fi == 0
-            layer = Layer(shape, bits, gs, need_dense=base,
-                          need_int4pack=not args.no_baselines and bits == 4)
-            for t in tokens:
-                inputs = [torch.randn(t, d, generator=gen) for _ in range(8)]
-                reps = 50 if t == 1 else 20 if t <= 8 else 6 if t <= 64 else 3
-                macs = t * (k * 3 * d * f + 3 * d * fs + e * d)
-                for th in threads:
-                    torch.set_num_threads(th)
-                    bw_seen[th].append(kernel.measure_read_gbps(th, 256 << 20, 4))
-                    fns = {"(c) llmq op " + fname: lambda x, i, th=th: layer.run_op(x, th, i)}
-                    isas = {"(c) llmq op " + fname: "int8"}
-                    layer.run_op(inputs[0], th)  # warm-up (pool threads, workspace)
-                    if layer.int4 is not None:
-                        fns[f"(b) int4pack g{gs}"] = lambda x, i: layer.run_int4pack(x.bfloat16(), i)
-                        isas[f"(b) int4pack g{gs}"] = "bf16"
-                    if base:
-                        for dt, nm in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
-                            fns[f"(a) dense {nm}"] = lambda x, i, dt=dt: layer.run_dense(x, i, dt)
-                            isas[f"(a) dense {nm}"] = nm
-                    for name, res in timed(fns, inputs, reps).items():
-                        results.append((sname, fname, t, th, name, res, isas[name], layer.expert_bytes,
-                                        layer.shared_bytes, macs, d, f, e, k, fs, gs))
-                    print(f"  measured {sname} {fname} T={t} threads={th}", file=sys.stderr, flush=True)
-            del layer
+    results = []
+    for sname, _ in shapes:
+        for fi, (fname, _) in enumerate(formats):
+            # dense baselines once per shape (with the first format's experts)
+            res, bw = run_child(sname, fname, args, dense=not args.no_baselines and fi == 0)
+            results += res
+            for th, v in bw.items():
+                bw_seen[th] += v
     for th in threads:
         lim = peak[th]
         lim["bw"] = max(bw_seen[th])
         print(f"machine, {th} thread(s): read {lim['bw']:.1f} GB/s (best of {len(bw_seen[th])} probes; "
               f"lowest {min(bw_seen[th]):.1f}); peak fp32 FMA {lim['fp32']:.0f}, bf16 dot {lim['bf16']:.0f}, "
               f"int8 VNNI {lim['int8']:.0f} Gop/s")
-    header = (f"{'shape':6} {'fmt':9} {'T':>4} {'thr':>3} | {'method':22} {'median ms':>10} {'min ms':>9} "
+    header = (f"{'shape':6} {'fmt':11} {'T':>4} {'thr':>3} | {'method':22} {'median ms':>10} {'min ms':>9} "
               f"{'x op':>6} {'% limit':>8}")
     print(header)
     print("-" * len(header))
@@ -273,7 +314,7 @@ def main(argv=None):
         hit = e * (1 - (1 - k / e) ** t)
         need = max((hit * per_expert + shared_b) / (lim["bw"] * 1e9), 2 * macs / (lim[isa] * 1e9))
         # "x op": median time relative to the op's; "% limit": limit time / median time
-        print(f"{sname:6} {fname:9} {t:>4} {th:>3} | {name:22} {sec * 1e3:10.3f} {best * 1e3:9.3f} "
+        print(f"{sname:6} {fname:11} {t:>4} {th:>3} | {name:22} {sec * 1e3:10.3f} {best * 1e3:9.3f} "
               f"{sec / op_time[(sname, fname, t, th)]:6.2f} {100 * need / sec:7.1f}%", flush=True)
     return 0
 

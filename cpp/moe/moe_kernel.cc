@@ -348,6 +348,18 @@ inline int32_t load_i32(const int8_t* p) {
   return v;
 }
 
+// count scale/bias values of w from element `at` on, as float32 (bfloat16 widened exactly).
+inline void sb_load_scalar(const QMatrix& w, int64_t at, int count, float* out) {
+  if (!w.sb16) {
+    std::memcpy(out, w.sb + at, count * sizeof(float));
+    return;
+  }
+  for (int i = 0; i < count; ++i) {
+    const uint32_t bits = static_cast<uint32_t>(w.sb16[at + i]) << 16;
+    std::memcpy(out + i, &bits, 4);
+  }
+}
+
 // Scalar specification of the tile: int32 dot per group, then
 //   acc = fma(float(dot), scale * a, fma(bias, a * asum, acc)).
 void gemm_tile_scalar(const QMatrix& w, const int64_t* tiles, int nt, const int8_t* const* xq,
@@ -358,7 +370,7 @@ void gemm_tile_scalar(const QMatrix& w, const int64_t* tiles, int nt, const int8
   const int steps = gs / per_step;
   for (int t = 0; t < nt; ++t) {
     const uint8_t* wq = w.qdata + tiles[t] * w.tile_qbytes();
-    const float* sb = w.sb + tiles[t] * w.tile_sbfloats();
+    const int64_t sb0 = tiles[t] * w.tile_sbfloats();
     for (int i = 0; i < m; ++i) {
       float acc[16] = {0};
       for (int64_t g = 0; g < groups; ++g) {
@@ -380,7 +392,8 @@ void gemm_tile_scalar(const QMatrix& w, const int64_t* tiles, int nt, const int8
         }
         const float a = ascale[i][g];
         const float as = a * asum[i][g];
-        const float* sc = sb + g * 32;
+        float sc[32];
+        sb_load_scalar(w, sb0 + g * 32, 32, sc);
         for (int r = 0; r < 16; ++r)
           acc[r] = std::fma(static_cast<float>(dot[r]), sc[r] * a, std::fma(sc[16 + r], as, acc[r]));
       }
@@ -397,6 +410,13 @@ void gemm_tile_scalar(const QMatrix& w, const int64_t* tiles, int nt, const int8
 #endif
 constexpr int kPrefetchBytes = LLMQ_PF;
 
+// 16 scale/bias values of w from element `at` on, as float32 (bfloat16: zero-extend, shift).
+LLMQ_AVX512 inline __m512 sb_load16_avx512(const QMatrix& w, int64_t at) {
+  if (!w.sb16) return _mm512_loadu_ps(w.sb + at);
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.sb16 + at));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
 // Register block: NT tiles x M tokens of int32 dot products per group; the fp32
 // accumulators live in `out` (L1) and are updated once per group, which keeps the inner
 // loop within the 32 zmm registers. With M == 1 the low and high nibbles accumulate in
@@ -410,10 +430,10 @@ LLMQ_AVX512 void tile_avx512(const QMatrix& w, const int64_t* tiles, const int8_
   constexpr bool kSplit = (M == 1 && BITS == 4);
   const int steps = gs / kPerStep;
   const uint8_t* wq[NT];
-  const float* sb[NT];
+  int64_t sb0[NT];
   for (int t = 0; t < NT; ++t) {
     wq[t] = w.qdata + tiles[t] * w.tile_qbytes();
-    sb[t] = w.sb + tiles[t] * w.tile_sbfloats();
+    sb0[t] = tiles[t] * w.tile_sbfloats();
   }
   const int8_t* xr[M];
   for (int i = 0; i < M; ++i) xr[i] = xq[i];
@@ -455,8 +475,8 @@ LLMQ_AVX512 void tile_avx512(const QMatrix& w, const int64_t* tiles, const int8_
     }
     for (int t = 0; t < NT; ++t) {
       if (kSplit) dot[t][0] = _mm512_add_epi32(dot[t][0], dot2[t]);
-      const __m512 sc = _mm512_loadu_ps(sb[t] + g * 32);
-      const __m512 bi = _mm512_loadu_ps(sb[t] + g * 32 + 16);
+      const __m512 sc = sb_load16_avx512(w, sb0[t] + g * 32);
+      const __m512 bi = sb_load16_avx512(w, sb0[t] + g * 32 + 16);
       for (int i = 0; i < M; ++i) {
         const float a = ascale[i][g];
         const float as = a * asum[i][g];
@@ -508,6 +528,13 @@ LLMQ_AVX2 inline __m256i dot4_avx2(__m256i acc, __m256i w, __m256i x) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
 }
 
+// 8 scale/bias values of w from element `at` on, as float32 (bfloat16: zero-extend, shift).
+LLMQ_AVX2 inline __m256 sb_load8_avx2(const QMatrix& w, int64_t at) {
+  if (!w.sb16) return _mm256_loadu_ps(w.sb + at);
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.sb16 + at));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
 template <int M, int BITS>
 LLMQ_AVX2 void tile_avx2(const QMatrix& w, int64_t tile, const int8_t* const* xq, const float* const* ascale,
                          const float* const* asum, float* out, int ldo) {
@@ -516,7 +543,7 @@ LLMQ_AVX2 void tile_avx2(const QMatrix& w, int64_t tile, const int8_t* const* xq
   constexpr int kPerStep = BITS == 4 ? 8 : 4;
   const int steps = gs / kPerStep;
   const uint8_t* wq = w.qdata + tile * w.tile_qbytes();
-  const float* sb = w.sb + tile * w.tile_sbfloats();
+  const int64_t sb0 = tile * w.tile_sbfloats();
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   __m256 acc[M][2];
   for (int i = 0; i < M; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
@@ -544,8 +571,8 @@ LLMQ_AVX2 void tile_avx2(const QMatrix& w, int64_t tile, const int8_t* const* xq
       }
     }
     for (int h = 0; h < 2; ++h) {
-      const __m256 sc = _mm256_loadu_ps(sb + g * 32 + h * 8);
-      const __m256 bi = _mm256_loadu_ps(sb + g * 32 + 16 + h * 8);
+      const __m256 sc = sb_load8_avx2(w, sb0 + g * 32 + h * 8);
+      const __m256 bi = sb_load8_avx2(w, sb0 + g * 32 + 16 + h * 8);
       for (int i = 0; i < M; ++i) {
         const __m256i dot = BITS == 4 ? _mm256_add_epi32(d0[i][h], d1[i][h])
                                       : _mm256_add_epi32(d0[i][h], _mm256_slli_epi32(d1[i][h], 4));
@@ -774,7 +801,8 @@ void route_token(const float* logits, const MoEArgs& a, int32_t* idx, float* wts
 // ---------------------------------------------------------------- validation
 
 void check_matrix(const QMatrix& m, int64_t n, int64_t k, const char* what) {
-  if (!m.qdata || !m.sb) throw std::invalid_argument(std::string(what) + ": null buffer");
+  if (!m.qdata || (!m.sb && !m.sb16)) throw std::invalid_argument(std::string(what) + ": null buffer");
+  if (m.sb && m.sb16) throw std::invalid_argument(std::string(what) + ": both float32 and bfloat16 scale/bias given");
   if (m.n != n || m.k != k)
     throw std::invalid_argument(std::string(what) + ": expected [" + std::to_string(n) + ", " +
                                 std::to_string(k) + "], got [" + std::to_string(m.n) + ", " +
@@ -808,8 +836,9 @@ inline void prefetch_tiles(const QMatrix& w, int64_t e, int64_t tile, int count)
   const char* q = reinterpret_cast<const char*>(w.qdata + e * w.matrix_qbytes() + tile * w.tile_qbytes());
   const int64_t qbytes = count * w.tile_qbytes();
   for (int64_t off = 0; off < qbytes; off += 64) __builtin_prefetch(q + off, 0, 2);
-  const char* sb = reinterpret_cast<const char*>(w.sb + e * w.matrix_sbfloats() + tile * w.tile_sbfloats());
-  const int64_t sbbytes = count * w.tile_sbfloats() * 4;
+  const int64_t sb_at = e * w.matrix_sbfloats() + tile * w.tile_sbfloats();
+  const char* sb = w.sb16 ? reinterpret_cast<const char*>(w.sb16 + sb_at) : reinterpret_cast<const char*>(w.sb + sb_at);
+  const int64_t sbbytes = count * w.tile_sbfloats() * w.sb_elem_bytes();
   for (int64_t off = 0; off < sbbytes; off += 64) __builtin_prefetch(sb + off, 0, 2);
 }
 
@@ -989,9 +1018,7 @@ void moe_ffn(const MoEArgs& a, float* out) {
     if (!is_shared) {
       const int64_t e = active[item / ftiles];
       j = item % ftiles;
-      w = a.w13;
-      w.qdata += e * a.w13.matrix_qbytes();
-      w.sb += e * a.w13.matrix_sbfloats();
+      w = a.w13.advanced(e * a.w13.matrix_qbytes(), e * a.w13.matrix_sbfloats());
       first = offsets[e];
       count = offsets[e + 1] - first;
       fdim = F;
@@ -1115,9 +1142,7 @@ void moe_ffn(const MoEArgs& a, float* out) {
       }
       if (ai < n_active) {
         const int64_t e = active[ai];
-        QMatrix w = a.w2;
-        w.qdata += e * a.w2.matrix_qbytes();
-        w.sb += e * a.w2.matrix_sbfloats();
+        const QMatrix w = a.w2.advanced(e * a.w2.matrix_qbytes(), e * a.w2.matrix_sbfloats());
         w2_block(w, tiles, offsets[e], offsets[e + 1] - offsets[e], hq, h_scale, h_sum, F, g2,
                  [&](int64_t r, const float* v) { std::memcpy(y + r * D + jp * 32, v, 32 * sizeof(float)); });
       } else {
@@ -1155,9 +1180,7 @@ void moe_ffn(const MoEArgs& a, float* out) {
     for (int64_t t = 0; t < T; ++t) std::memset(out + t * D + col, 0, 32 * sizeof(float));
     for (int64_t ai = 0; ai < n_active; ++ai) {
       const int64_t e = active[ai];
-      QMatrix w = a.w2;
-      w.qdata += e * a.w2.matrix_qbytes();
-      w.sb += e * a.w2.matrix_sbfloats();
+      const QMatrix w = a.w2.advanced(e * a.w2.matrix_qbytes(), e * a.w2.matrix_sbfloats());
       // The next expert's tile pair lives elsewhere in memory: start fetching it now.
       if (ai + 1 < n_active) prefetch_tiles(a.w2, active[ai + 1], 2 * jp, 2);
       else if (shared) prefetch_tiles(a.shared_w2, 0, 2 * jp, 2);

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <random>
 #include <vector>
 
@@ -55,7 +56,8 @@ static Canonical random_canonical(int64_t n, int64_t k, int bits, int gs, std::m
 static void test_pack(int bits, int gs, std::mt19937& rng) {
   const int64_t n = 32, k = 4 * gs;
   Canonical c = random_canonical(n, k, bits, gs, rng);
-  QMatrix m{nullptr, nullptr, n, k, bits, gs};
+  QMatrix m;
+  m.n = n, m.k = k, m.bits = bits, m.group_size = gs;
   std::vector<uint8_t> q(m.matrix_qbytes());
   std::vector<float> sb(m.matrix_sbfloats());
   pack_matrix(c.packed.data(), c.scale.data(), c.bias.data(), n, k, bits, gs, q.data(), sb.data());
@@ -87,7 +89,8 @@ static std::vector<Isa> fast_isas() {
 static void test_tile(int bits, int gs, int nt, int mcount, std::mt19937& rng) {
   const int64_t n = 64, k = 4 * gs;
   Canonical c = random_canonical(n, k, bits, gs, rng);
-  QMatrix m{nullptr, nullptr, n, k, bits, gs};
+  QMatrix m;
+  m.n = n, m.k = k, m.bits = bits, m.group_size = gs;
   std::vector<uint8_t> q(m.matrix_qbytes());
   std::vector<float> sb(m.matrix_sbfloats());
   pack_matrix(c.packed.data(), c.scale.data(), c.bias.data(), n, k, bits, gs, q.data(), sb.data());
@@ -136,6 +139,31 @@ static void test_tile(int bits, int gs, int nt, int mcount, std::mt19937& rng) {
     quantize_row(x.data(), k, gs, xq2.data(), as2.data(), sum2.data(), isa);
     CHECK(std::equal(xq2.begin(), xq2.end(), xq.begin()) && as2 == std::vector<float>(as.begin(), as.begin() + groups),
           "quantize_row differs between paths (%s)", isa_name(isa));
+  }
+  // bfloat16 scale/bias: the same result, bit for bit on every path, as float32 scale/bias
+  // holding the bfloat16-rounded values (round to nearest even, done here independently).
+  std::vector<uint16_t> sb16(sb.size());
+  std::vector<float> sb_rounded(sb.size());
+  for (size_t i = 0; i < sb.size(); ++i) {
+    uint32_t u;
+    std::memcpy(&u, &sb[i], 4);
+    u += 0x7FFF + ((u >> 16) & 1);
+    sb16[i] = static_cast<uint16_t>(u >> 16);
+    const uint32_t back = static_cast<uint32_t>(sb16[i]) << 16;
+    std::memcpy(&sb_rounded[i], &back, 4);
+  }
+  QMatrix m16 = m, mr = m;
+  m16.sb = nullptr;
+  m16.sb16 = sb16.data();
+  mr.sb = sb_rounded.data();
+  std::vector<Isa> all = fast_isas();
+  all.push_back(Isa::kScalar);
+  for (Isa isa : all) {
+    std::vector<float> o16(out.size()), orr(out.size());
+    gemm_tile(m16, tiles, nt, rows, srows, sumrows, mcount, o16.data(), isa);
+    gemm_tile(mr, tiles, nt, rows, srows, sumrows, mcount, orr.data(), isa);
+    CHECK(o16 == orr, "bf16 scale/bias differ from their float32 widening (isa %s, bits=%d gs=%d nt=%d m=%d)",
+          isa_name(isa), bits, gs, nt, mcount);
   }
 }
 

@@ -35,10 +35,12 @@ ScoreFunc parse_score(const std::string& name) {
   throw std::invalid_argument("unknown score function '" + name + "' (expected softmax or sigmoid)");
 }
 
-QMatrix matrix(uintptr_t q, uintptr_t sb, int64_t n, int64_t k, int bits, int gs) {
+// sb_bf16: the scale/bias buffer holds bfloat16 bit patterns instead of float32.
+QMatrix matrix(uintptr_t q, uintptr_t sb, bool sb_bf16, int64_t n, int64_t k, int bits, int gs) {
   QMatrix m;
   m.qdata = ptr<const uint8_t>(q);
-  m.sb = ptr<const float>(sb);
+  if (sb_bf16) m.sb16 = ptr<const uint16_t>(sb);
+  else m.sb = ptr<const float>(sb);
   m.n = n;
   m.k = k;
   m.bits = bits;
@@ -71,14 +73,16 @@ MoEArgs make_args(const py::dict& d) {
   a.route_scale = d["route_scale"].cast<float>();
   const int64_t f = d["intermediate"].cast<int64_t>();
   const int bits = d["bits"].cast<int>(), gs = d["group_size"].cast<int>();
-  a.w13 = matrix(d["w13_q"].cast<uintptr_t>(), d["w13_sb"].cast<uintptr_t>(), 2 * f, a.hidden, bits, gs);
-  a.w2 = matrix(d["w2_q"].cast<uintptr_t>(), d["w2_sb"].cast<uintptr_t>(), a.hidden, f, bits, gs);
+  const bool bf16 = d.contains("sb_bf16") && d["sb_bf16"].cast<bool>();
+  a.w13 = matrix(d["w13_q"].cast<uintptr_t>(), d["w13_sb"].cast<uintptr_t>(), bf16, 2 * f, a.hidden, bits, gs);
+  a.w2 = matrix(d["w2_q"].cast<uintptr_t>(), d["w2_sb"].cast<uintptr_t>(), bf16, a.hidden, f, bits, gs);
   if (d["shared_w13_q"].cast<uintptr_t>()) {
     const int64_t fs = d["shared_intermediate"].cast<int64_t>();
     const int sbits = d["shared_bits"].cast<int>(), sgs = d["shared_group_size"].cast<int>();
-    a.shared_w13 = matrix(d["shared_w13_q"].cast<uintptr_t>(), d["shared_w13_sb"].cast<uintptr_t>(),
+    const bool sbf16 = d.contains("shared_sb_bf16") && d["shared_sb_bf16"].cast<bool>();
+    a.shared_w13 = matrix(d["shared_w13_q"].cast<uintptr_t>(), d["shared_w13_sb"].cast<uintptr_t>(), sbf16,
                           2 * fs, a.hidden, sbits, sgs);
-    a.shared_w2 = matrix(d["shared_w2_q"].cast<uintptr_t>(), d["shared_w2_sb"].cast<uintptr_t>(),
+    a.shared_w2 = matrix(d["shared_w2_q"].cast<uintptr_t>(), d["shared_w2_sb"].cast<uintptr_t>(), sbf16,
                          a.hidden, fs, sbits, sgs);
     a.shared_gate = ptr<const float>(d["shared_gate"].cast<uintptr_t>());
   }

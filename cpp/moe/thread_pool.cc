@@ -2,6 +2,10 @@
 
 #include <chrono>
 
+#if defined(__linux__)
+#include <sched.h>
+#endif
+
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #define LLMQ_PAUSE() _mm_pause()
@@ -61,7 +65,49 @@ bool ThreadPool::try_join(uint64_t gen) {
   }
 }
 
+namespace {
+// The scheduler sometimes wakes a sleeping worker on the CPU its waker (the caller) runs on,
+// and leaves it there: measured on 2 cores, a decode call then took 0.6-0.8 ms instead of
+// 0.33 (the worker spinning or working next to the caller, /proc/<pid>/task/*/stat showing
+// both on one CPU while the other idled). So a worker that sees a new job while on the
+// caller's CPU restricts itself to the other CPUs it started with, which moves it at once.
+// It is computed from the start-up set each time, so the caller moving cannot strand it.
+class StayOffCaller {
+ public:
+  StayOffCaller() {
+#if defined(__linux__)
+    ok_ = sched_getaffinity(0, sizeof(start_), &start_) == 0 && CPU_COUNT(&start_) > 1;
+#endif
+  }
+  void check(int caller_cpu) {
+#if defined(__linux__)
+    if (!ok_ || caller_cpu < 0 || caller_cpu >= CPU_SETSIZE || sched_getcpu() != caller_cpu) return;
+    cpu_set_t others = start_;
+    CPU_CLR(caller_cpu, &others);
+    if (CPU_COUNT(&others) > 0) sched_setaffinity(0, sizeof(others), &others);
+#else
+    (void)caller_cpu;
+#endif
+  }
+
+ private:
+#if defined(__linux__)
+  cpu_set_t start_;
+#endif
+  bool ok_ = false;
+};
+
+int current_cpu() {
+#if defined(__linux__)
+  return sched_getcpu();
+#else
+  return -1;
+#endif
+}
+}  // namespace
+
 void ThreadPool::worker_main(int id, uint64_t seen) {
+  StayOffCaller placement;
   for (;;) {
     uint64_t s = state_.load(std::memory_order_acquire);
     if ((s >> 8) == seen) {
@@ -77,6 +123,7 @@ void ThreadPool::worker_main(int id, uint64_t seen) {
       }
     }
     seen = s >> 8;
+    placement.check(caller_cpu_.load(std::memory_order_relaxed));
     if (id < static_cast<int>(s & 0xff) && try_join(seen)) {
       run_items();
       done_.fetch_add(1, std::memory_order_acq_rel);
@@ -102,6 +149,7 @@ void ThreadPool::parallel_for(int64_t n, int threads, const std::function<void(i
   fn_ = &fn;
   next_.store(0, std::memory_order_relaxed);
   done_.store(0, std::memory_order_relaxed);
+  caller_cpu_.store(current_cpu(), std::memory_order_relaxed);
   {
     std::lock_guard<std::mutex> lk(mu_);
     uint64_t gen = (state_.load(std::memory_order_relaxed) >> 8) + 1;

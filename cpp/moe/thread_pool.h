@@ -3,7 +3,8 @@
 // Why not torch's pool or OpenMP: the kernel is torch-free, and a private pool cannot
 // deadlock against a busy intra-op pool of the caller. Workers spin briefly after a job
 // (decode calls come back-to-back, and a condition-variable wake-up costs tens of
-// microseconds) and then sleep.
+// microseconds) and then sleep. A worker that finds itself on the caller's CPU moves off it
+// (see worker_main).
 #pragma once
 
 #include <atomic>
@@ -44,6 +45,8 @@ class ThreadPool {
   std::atomic<uint64_t> state_{0};
   std::atomic<int64_t> next_{0};
   std::atomic<int> done_{0};
+  // CPU the caller ran on when it published the current job (-1: unknown); see worker_main.
+  std::atomic<int> caller_cpu_{-1};
   // (generation << 24) | closed bit (1 << 23) | number of helpers that joined the job.
   std::atomic<uint64_t> join_{0};
   int64_t n_ = 0;

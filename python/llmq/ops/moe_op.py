@@ -49,6 +49,15 @@ def _expect(t: torch.Tensor, name: str, dtype: torch.dtype, shape) -> None:
         raise ValueError(f"quantized_moe_ffn: {name} must be {dtype} {list(shape)}, got {t.dtype} {list(t.shape)}")
 
 
+_SB_DTYPES = (torch.float32, torch.bfloat16)  # scale/bias: exact float32, or compact bfloat16
+
+
+def _check_sb_pair(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    if a.dtype != b.dtype:
+        raise ValueError(f"quantized_moe_ffn: {what} w13_sb and w2_sb must share a dtype (float32 or bfloat16), "
+                         f"got {a.dtype} and {b.dtype}")
+
+
 def _check_matrix(q: torch.Tensor, sb: torch.Tensor, name: str, e: int, n: int, k: int, bits: int, gs: int):
     if bits not in (4, 8):
         raise ValueError(f"quantized_moe_ffn: {name} bits must be 4 or 8, got {bits}")
@@ -59,7 +68,9 @@ def _check_matrix(q: torch.Tensor, sb: torch.Tensor, name: str, e: int, n: int, 
     if n % 16:
         raise ValueError(f"quantized_moe_ffn: {name} output dimension {n} is not a multiple of 16")
     _expect(q, f"{name}_qdata", torch.uint8, (e, n // 16, 16 * k * bits // 8))
-    _expect(sb, f"{name}_sb", torch.float32, (e, n // 16, 32 * (k // gs)))
+    if sb.dtype not in _SB_DTYPES or tuple(sb.shape) != (e, n // 16, 32 * (k // gs)):
+        raise ValueError(f"quantized_moe_ffn: {name}_sb must be float32 or bfloat16 {[e, n // 16, 32 * (k // gs)]}, "
+                         f"got {sb.dtype} {list(sb.shape)}")
 
 
 def check_moe_args(x, router_weight, expert_bias, w13_qdata, w13_sb, w2_qdata, w2_sb, top_k, bits, group_size,
@@ -93,6 +104,7 @@ def check_moe_args(x, router_weight, expert_bias, w13_qdata, w13_sb, w2_qdata, w
             raise ValueError(f"quantized_moe_ffn: group_size {group_size} does not divide {what}={dim}")
     _check_matrix(w13_qdata, w13_sb, "w13", e, 2 * f, d, bits, group_size)
     _check_matrix(w2_qdata, w2_sb, "w2", e, d, f, bits, group_size)
+    _check_sb_pair(w13_sb, w2_sb, "routed")
     parts = (shared_w13_qdata, shared_w13_sb, shared_w2_qdata, shared_w2_sb)
     fs = 0
     if any(p is not None for p in parts):
@@ -105,6 +117,7 @@ def check_moe_args(x, router_weight, expert_bias, w13_qdata, w13_sb, w2_qdata, w
         fs = shared_w13_qdata.shape[1] * 8
         _check_matrix(shared_w13_qdata, shared_w13_sb, "shared_w13", 1, 2 * fs, d, shared_bits, shared_group_size)
         _check_matrix(shared_w2_qdata, shared_w2_sb, "shared_w2", 1, d, fs, shared_bits, shared_group_size)
+        _check_sb_pair(shared_w13_sb, shared_w2_sb, "shared")
         if shared_gate_weight is not None:
             _expect(shared_gate_weight, "shared_gate_weight", torch.float32, (1, d))
     elif shared_gate_weight is not None:
@@ -222,6 +235,8 @@ def _kernel_args(x, router_weight, expert_bias, w13_qdata, w13_sb, w2_qdata, w2_
         "shared_w2_sb": addr(shared_w2_sb) if shared else 0,
         "shared_gate": addr(shared_gate_weight) if shared else 0,
         "shared_intermediate": fs, "shared_bits": shared_bits, "shared_group_size": shared_group_size,
+        "sb_bf16": w13_sb.dtype == torch.bfloat16,
+        "shared_sb_bf16": shared and shared_w13_sb.dtype == torch.bfloat16,
         "num_threads": num_threads or torch.get_num_threads(), "isa": _isa, "schedule": _schedule,
     }
     return {"dict": info, "keep": keep}

@@ -16,7 +16,7 @@ from llmq.ops import (kernel_route, moe_reference, pack_moe_experts, quantized_m
                       route_reference, set_kernel_isa)
 from llmq.ops.moe_op import set_kernel_schedule
 from llmq.ops.moe_testing import random_group_quantized, random_moe
-from llmq.ops.packing import pack_matrix_tiles, pack_with_kernel
+from llmq.ops.packing import pack_matrix_tiles, pack_with_kernel, unpack_matrix_tiles
 from llmq.quant.formats import unpack_bits
 
 EPS32 = torch.finfo(torch.float32).eps
@@ -168,6 +168,49 @@ def test_matches_float64_reference(score, use_bias, use_shared, T, top_k, E, D, 
     assert rel < 0.03
 
 
+def _rounded_to_bf16(w):
+    """The canonical weight whose scale and bias are the bfloat16-rounded ones (float32)."""
+    from llmq.quant.formats import GroupQuantizedWeight
+
+    return GroupQuantizedWeight(w.qdata, w.scale.to(torch.bfloat16).float(), w.bias.to(torch.bfloat16).float(),
+                                w.bits, w.group_size, w.shape, w.dtype)
+
+
+@pytest.mark.parametrize("bits,gs,T", [(4, 32, 1), (4, 128, 37), (8, 64, 513)])
+def test_bf16_scale_bias_is_exactly_the_rounded_weights(bits, gs, T):
+    """Compact bfloat16 scale/bias (pack_moe_experts(scale_dtype=torch.bfloat16)): bit for bit the
+    op on float32-packed weights whose scales/biases were rounded to bfloat16 first, on every
+    ISA path, and within the float64 reference bound of those rounded weights; half the sb bytes."""
+    router, w13, w2, shared = random_moe(16, 256, 128, bits, gs, seed=21, shared_inter=128)
+    x = torch.randn(T, 256, generator=torch.Generator().manual_seed(22))
+    compact = pack_moe_experts(w13, w2, torch.bfloat16)
+    compact_s = pack_moe_experts(shared[0], shared[1], torch.bfloat16)
+    assert compact.w13_sb.dtype == torch.bfloat16 and compact_s.w2_sb.dtype == torch.bfloat16
+    r13, r2, rs13, rs2 = (_rounded_to_bf16(w) for w in (w13, w2, shared[0], shared[1]))
+    exact = pack_moe_experts(r13, r2)
+    exact_s = pack_moe_experts(rs13, rs2)
+    assert compact.nbytes < exact.nbytes
+    assert compact.w13_sb.nbytes * 2 == exact.w13_sb.nbytes and compact.w2_sb.nbytes * 2 == exact.w2_sb.nbytes
+    out = quantized_moe_ffn(**op_args(x, router, None, compact, 4, shared=compact_s, gate=shared[2], num_threads=2))
+    want = quantized_moe_ffn(**op_args(x, router, None, exact, 4, shared=exact_s, gate=shared[2], num_threads=2))
+    assert torch.equal(out, want)
+    from llmq.ops.kernel_loader import load_kernel
+
+    best = load_kernel().best_isa()
+    for isa in ["scalar"] + (["avx2"] if best == "avx512_vnni" else []):
+        old = set_kernel_isa(isa)
+        try:
+            assert torch.equal(out, quantized_moe_ffn(**op_args(x, router, None, compact, 4, shared=compact_s,
+                                                                gate=shared[2])))
+        finally:
+            set_kernel_isa(old)
+    idx, _ = kernel_route(x, router, None, compact, 4)
+    check_against_reference(out, x, router, None, r13, r2, 4, "softmax", 1.0, (rs13, rs2, shared[2]), idx)
+    # unpacking gives the rounded canonical weights back
+    back = unpack_matrix_tiles(compact.w2_qdata, compact.w2_sb, bits, gs, tuple(w2.shape))
+    assert torch.equal(back.scale, r2.scale) and torch.equal(back.bias, r2.bias)
+
+
 def test_isa_paths_are_bitwise_identical():
     from llmq.ops.kernel_loader import load_kernel
 
@@ -250,6 +293,7 @@ BAD = [
     ("bias with softmax", dict(expert_bias=torch.zeros(4)), "sigmoid"),
     ("w2 dtype", dict(w2_sb=torch.zeros(4, 4, 32, dtype=torch.float16)), "w2_sb"),
     ("partial shared", dict(shared_w13_qdata=None), "all four"),
+    ("mixed sb dtypes", dict(w2_sb=torch.zeros(4, 4, 32, dtype=torch.bfloat16)), "share a dtype"),
 ]
 
 

@@ -5,7 +5,10 @@ G = K / group_size groups, S = group_size / 8 (INT4) or / 4 (INT8) steps per gro
   qdata uint8 [N/16, 16*K*bits/8]: for tile t, group g, step s, row r (n = 16t + r), byte j < 4
       offset ((g*S + s)*64 + r*4 + j) inside the tile holds
       INT4: q[n, g*gs + 8s + j] | q[n, g*gs + 8s + 4 + j] << 4,   INT8: q[n, g*gs + 4s + j]
-  sb float32 [N/16, G*32]: offset g*32 + r is scale[n, g], g*32 + 16 + r is bias[n, g].
+  sb float32 [N/16, G*32]: offset g*32 + r is scale[n, g], g*32 + 16 + r is bias[n, g];
+      or bfloat16 (scale_dtype=torch.bfloat16): the same values rounded to nearest even,
+      half the bytes (decode reads 5.6% fewer bytes at INT4 group 128, 17% at group 32),
+      and the op then computes with exactly those rounded scales and biases.
 A stack of experts adds a leading E dimension. w13 arrives as [2F, D] with gate rows then up
 rows (Hugging Face's fused gate_up_proj); pack_moe_experts reorders its 16-row blocks to
 gate 0, up 0, gate 1, up 1, ... so each SwiGLU tile pair is adjacent in memory (decode
@@ -24,6 +27,7 @@ import torch
 from llmq.quant.formats import GroupQuantizedWeight, unpack_bits
 
 KERNEL_BITS = (4, 8)
+SCALE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def check_kernel_layout(n: int, k: int, bits: int, group_size: int, name: str) -> None:
@@ -38,8 +42,14 @@ def check_kernel_layout(n: int, k: int, bits: int, group_size: int, name: str) -
         raise ValueError(f"{name}: output dimension {n} is not a multiple of 16")
 
 
-def pack_matrix_tiles(w: GroupQuantizedWeight, name: str = "weight"):
-    """[..., N, K] canonical -> (qdata uint8 [..., N/16, 16*K*bits/8], sb float32 [..., N/16, 32*K/gs])."""
+def _check_scale_dtype(scale_dtype) -> None:
+    if scale_dtype not in SCALE_DTYPES:
+        raise ValueError(f"scale_dtype must be torch.float32 or torch.bfloat16, got {scale_dtype}")
+
+
+def pack_matrix_tiles(w: GroupQuantizedWeight, name: str = "weight", scale_dtype: torch.dtype = torch.float32):
+    """[..., N, K] canonical -> (qdata uint8 [..., N/16, 16*K*bits/8], sb [..., N/16, 32*K/gs] in scale_dtype)."""
+    _check_scale_dtype(scale_dtype)
     *lead, n, k = w.shape
     bits, gs = w.bits, w.group_size
     check_kernel_layout(n, k, bits, gs, name)
@@ -55,7 +65,7 @@ def pack_matrix_tiles(w: GroupQuantizedWeight, name: str = "weight"):
     qdata = q.permute(perm).reshape(*lead, n // 16, 16 * k * bits // 8).contiguous()
     sb = torch.stack([w.scale, w.bias], dim=-1)  # [..., N, G, 2]
     sb = sb.reshape(*lead, n // 16, 16, g, 2).permute(list(range(nd)) + [nd, nd + 2, nd + 3, nd + 1])
-    return qdata, sb.reshape(*lead, n // 16, g * 32).contiguous().to(torch.float32)
+    return qdata, sb.reshape(*lead, n // 16, g * 32).to(torch.float32).to(scale_dtype).contiguous()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,9 +73,9 @@ class PackedExperts:
     """A stack of E SwiGLU experts in the kernel layout: w13 [E, 2F, D] and w2 [E, D, F]."""
 
     w13_qdata: torch.Tensor  # uint8 [E, 2F/16, 16*D*bits/8]
-    w13_sb: torch.Tensor  # float32 [E, 2F/16, 32*D/gs]
+    w13_sb: torch.Tensor  # float32 or bfloat16 [E, 2F/16, 32*D/gs]
     w2_qdata: torch.Tensor  # uint8 [E, D/16, 16*F*bits/8]
-    w2_sb: torch.Tensor  # float32 [E, D/16, 32*F/gs]
+    w2_sb: torch.Tensor  # same dtype as w13_sb, [E, D/16, 32*F/gs]
     bits: int
     group_size: int
 
@@ -86,9 +96,15 @@ class PackedExperts:
         return sum(t.numel() * t.element_size() for t in (self.w13_qdata, self.w13_sb, self.w2_qdata, self.w2_sb))
 
 
-def pack_moe_experts(w13: GroupQuantizedWeight, w2: GroupQuantizedWeight) -> PackedExperts:
+def pack_moe_experts(w13: GroupQuantizedWeight, w2: GroupQuantizedWeight,
+                     scale_dtype: torch.dtype = torch.float32) -> PackedExperts:
     """Pack canonical gate+up w13 [E, 2F, D] and down w2 [E, D, F] (or [2F, D] / [D, F] for
-    one expert, e.g. the shared one, which becomes E = 1) for `quantized_moe_ffn`."""
+    one expert, e.g. the shared one, which becomes E = 1) for `quantized_moe_ffn`.
+
+    scale_dtype=torch.bfloat16 stores scales and biases rounded to bfloat16: fewer bytes to
+    read per decoded token, at the cost of exactness (each weight moves by at most
+    2^-9 * (|scale*q| + |bias|), small next to the quantization step scale/2)."""
+    _check_scale_dtype(scale_dtype)
     if len(w13.shape) == 2 and len(w2.shape) == 2:
         w13 = _unsqueeze(w13)
         w2 = _unsqueeze(w2)
@@ -106,8 +122,8 @@ def pack_moe_experts(w13: GroupQuantizedWeight, w2: GroupQuantizedWeight) -> Pac
             "must share bits and group size"
         )
     check_kernel_layout(f, d, w13.bits, w13.group_size, "w13 (gate/up half)")
-    w13_q, w13_sb = pack_matrix_tiles(_permute_rows(w13, gate_up_block_order(f)), "w13")
-    w2_q, w2_sb = pack_matrix_tiles(w2, "w2")
+    w13_q, w13_sb = pack_matrix_tiles(_permute_rows(w13, gate_up_block_order(f)), "w13", scale_dtype)
+    w2_q, w2_sb = pack_matrix_tiles(w2, "w2", scale_dtype)
     return PackedExperts(w13_q, w13_sb, w2_q, w2_sb, w13.bits, w13.group_size)
 
 
@@ -169,6 +185,6 @@ def unpack_matrix_tiles(qdata: torch.Tensor, sb: torch.Tensor, bits: int, group_
     # [..., t, g, s, r, j] -> [..., t, r, g, s, j]
     q = q.permute(list(range(nd)) + [nd, nd + 3, nd + 1, nd + 2, nd + 4]).reshape(*lead, n, k)
     s = sb.reshape(*lead, n // 16, g, 2, 16).permute(list(range(nd)) + [nd, nd + 3, nd + 1, nd + 2])
-    s = s.reshape(*lead, n, g, 2)
+    s = s.reshape(*lead, n, g, 2).to(torch.float32)  # bfloat16 sb widens exactly
     return GroupQuantizedWeight(pack_bits(q, bits), s[..., 0].contiguous(), s[..., 1].contiguous(), bits, group_size,
                                 tuple(shape))

@@ -118,7 +118,7 @@ def _check_kernel_config(cfg: QuantConfig, fqn: str) -> None:
                          f"format={cfg.format!r} bits={cfg.bits}")
 
 
-def _shared_parts(block: nn.Module, name: str, recipe_or_config):
+def _shared_parts(block: nn.Module, name: str, recipe_or_config, scale_dtype: torch.dtype):
     se = getattr(block, "shared_expert", None)
     if se is None:
         return None, None, None, None
@@ -135,15 +135,16 @@ def _shared_parts(block: nn.Module, name: str, recipe_or_config):
     q13 = quantize_weight(w13.float(), cfgs[0], name=f"{name}.shared_expert.gate_up")
     q2 = quantize_weight(se.down_proj.weight.detach().float(), cfgs[2], name=fqns[2])
     gate_w = gate_lin.weight if gate_lin is not None else None
-    return pack_moe_experts(q13, q2), gate_w, None, None
+    return pack_moe_experts(q13, q2, scale_dtype), gate_w, None, None
 
 
 def replace_moe_blocks(model: nn.Module, recipe_or_config: Union[QuantRecipe, QuantConfig],
-                       num_threads: int = 0) -> List[str]:
+                       num_threads: int = 0, scale_dtype: torch.dtype = torch.float32) -> List[str]:
     """Quantize and swap every Qwen3.5-MoE-style sparse block in `model` (in place) for a
     QuantizedMoEBlock; returns the fqns replaced. Blocks whose experts the recipe keeps in
     high precision are left alone. Raises MoEKernelUnavailable (naming the missing
-    _moe_kernel.so) before touching the model if the compiled kernel cannot be loaded."""
+    _moe_kernel.so) before touching the model if the compiled kernel cannot be loaded.
+    scale_dtype=torch.bfloat16 packs scales/biases in the compact layout (pack_moe_experts)."""
     targets = [(n, m) for n, m in model.named_modules() if is_qwen_moe_block(m)]
     if targets:
         load_kernel()  # fail before quantizing anything if the compiled kernel is missing (clear error)
@@ -156,8 +157,8 @@ def replace_moe_blocks(model: nn.Module, recipe_or_config: Union[QuantRecipe, Qu
         ex = block.experts
         q13 = quantize_weight(ex.gate_up_proj.detach().float(), cfg, name=f"{name}.experts.gate_up_proj")
         q2 = quantize_weight(ex.down_proj.detach().float(), cfg, name=f"{name}.experts.down_proj")
-        packed = pack_moe_experts(q13, q2)
-        shared, shared_gate, dense, dense_gate = _shared_parts(block, name, recipe_or_config)
+        packed = pack_moe_experts(q13, q2, scale_dtype)
+        shared, shared_gate, dense, dense_gate = _shared_parts(block, name, recipe_or_config, scale_dtype)
         new = QuantizedMoEBlock(block.gate.weight, block.gate.top_k, packed, shared, shared_gate, dense, dense_gate,
                                 num_threads)
         parent_name, _, child = name.rpartition(".")
