@@ -68,6 +68,15 @@ def folder_digest(path):
     return h
 
 
+def rewrite_manifest(out, change):
+    """Apply change(manifest dict) to a finished bundle's manifest; returns the new manifest."""
+    mpath = os.path.join(out, "llmq_manifest.json")
+    manifest = json.load(open(mpath))
+    change(manifest)
+    json.dump(manifest, open(mpath, "w"))
+    return manifest
+
+
 def test_round_trip_and_layout(tmp_path):
     out = save_bundle(stream(), tmp_path / "b", recipe={"default": "int4"}, max_shard_bytes=4096, fsync=False)
     got = load_bundle(out)
@@ -198,25 +207,21 @@ def test_checksum_and_size_are_verified(tmp_path):
                                            (None, "integer")])
 def test_newer_or_unknown_versions_are_refused(tmp_path, version, match):
     out = save_bundle(stream(1), tmp_path / "b", fsync=False)
-    mpath = os.path.join(out, "llmq_manifest.json")
-    manifest = json.load(open(mpath))
-    manifest["format_version"] = version
-    json.dump(manifest, open(mpath, "w"))
+    rewrite_manifest(out, lambda m: m.update(format_version=version))
     with pytest.raises(BundleVersionError, match=match):
         load_bundle(out)
 
 
 def as_format_1(out):
     """Rewrite a bundle's manifest as format 1 wrote it: the same layout, SHA-256 per shard."""
-    mpath = os.path.join(out, "llmq_manifest.json")
-    manifest = json.load(open(mpath))
-    manifest["format_version"] = 1
-    for shard in manifest["shards"]:
-        with open(os.path.join(out, shard["file"]), "rb") as f:
-            shard["sha256"] = hashlib.sha256(f.read()).hexdigest()
-        shard.pop("blake3")
-    json.dump(manifest, open(mpath, "w"))
-    return manifest
+    def to_v1(manifest):
+        manifest["format_version"] = 1
+        for shard in manifest["shards"]:
+            with open(os.path.join(out, shard["file"]), "rb") as f:
+                shard["sha256"] = hashlib.sha256(f.read()).hexdigest()
+            shard.pop("blake3")
+
+    return rewrite_manifest(out, to_v1)
 
 
 def test_format_1_bundles_are_read_and_verified_with_sha256(tmp_path):
@@ -235,20 +240,14 @@ def test_format_1_bundles_are_read_and_verified_with_sha256(tmp_path):
 
 def test_a_manifest_without_its_versions_checksum_is_refused(tmp_path):
     out = save_bundle(stream(1), tmp_path / "b", fsync=False)
-    mpath = os.path.join(out, "llmq_manifest.json")
-    manifest = json.load(open(mpath))
-    manifest["format_version"] = 1  # format 1 needs "sha256"; this one has "blake3"
-    json.dump(manifest, open(mpath, "w"))
+    rewrite_manifest(out, lambda m: m.update(format_version=1))  # format 1 needs "sha256", not "blake3"
     with pytest.raises(CorruptCheckpointError, match="bad shard record"):
         load_bundle(out)
 
 
 def test_manifest_cannot_point_outside_the_bundle(tmp_path):
     out = save_bundle(stream(1), tmp_path / "b", fsync=False)
-    mpath = os.path.join(out, "llmq_manifest.json")
-    manifest = json.load(open(mpath))
-    manifest["shards"][0]["file"] = "../evil.safetensors"
-    json.dump(manifest, open(mpath, "w"))
+    rewrite_manifest(out, lambda m: m["shards"][0].update(file="../evil.safetensors"))
     with pytest.raises(CheckpointError, match="plain file name"):
         load_bundle(out)
 
