@@ -344,19 +344,27 @@ def test_missing_path_and_unknown_kinds(tmp_path):
         list(iter_checkpoint(tmp_path / "x.txt"))
 
 
+def _hostile_pickle_stream(sentinel):
+    """A protocol-0 pickle stream of {"w": os.system("touch <sentinel>")}, written out opcode by
+    opcode (GLOBAL os.system, a one-string tuple, REDUCE), so the test never needs the pickle
+    module: an unpickler that honoured it would create the sentinel file."""
+    return (b"(dp0\nVw\np1\ncos\nsystem\np2\n(V" + f"touch {sentinel}".encode()
+            + b"\np3\ntp4\nRp5\ns.")
+
+
 def test_pickles_never_unpickle_arbitrary_objects(tmp_path):
-    import pickle
+    import zipfile
 
-    class Boom:
-        def __reduce__(self):
-            return (os.system, ("touch " + str(tmp_path / "pwned"),))
-
+    stream = _hostile_pickle_stream(tmp_path / "pwned")
     legacy = tmp_path / "legacy.bin"
-    legacy.write_bytes(pickle.dumps({"w": Boom()}))
+    legacy.write_bytes(stream)
     with pytest.raises(UnsupportedCheckpointError, match="legacy"):
         list(iter_checkpoint(legacy))
-    zipped = tmp_path / "evil.pt"
-    torch.save({"w": Boom()}, zipped)
+    zipped = tmp_path / "evil.pt"  # torch's zip layout: <name>/data.pkl, version, byteorder
+    with zipfile.ZipFile(zipped, "w") as z:
+        z.writestr("evil/data.pkl", stream)
+        z.writestr("evil/byteorder", "little")
+        z.writestr("evil/version", "3\n")
     with pytest.raises(UnsupportedCheckpointError, match="weights_only"):
         list(iter_checkpoint(zipped))
     assert not (tmp_path / "pwned").exists()

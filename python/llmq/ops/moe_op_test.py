@@ -214,9 +214,7 @@ def test_bf16_scale_bias_is_exactly_the_rounded_weights(bits, gs, T):
 def test_isa_paths_are_bitwise_identical():
     from llmq.ops.kernel_loader import load_kernel
 
-    best = load_kernel().best_isa()
-    if best == "scalar":
-        pytest.skip("this CPU has neither AVX2 nor AVX-512 VNNI: only the portable path exists")
+    best = load_kernel().best_isa()  # on a CPU without AVX2 this compares the portable path with itself
     router, w13, w2, shared = random_moe(32, 256, 64, 4, 32, seed=5, shared_inter=64)
     x = torch.randn(70, 256, generator=torch.Generator().manual_seed(6))
     packed, sp = pack_moe_experts(w13, w2), pack_moe_experts(shared[0], shared[1])

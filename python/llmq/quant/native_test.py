@@ -2,7 +2,6 @@
 output byte and every scale/bias bit pattern must be identical, on every ISA path the CPU
 has, for random and adversarial inputs (ties, zeros, subnormals, extremes, odd shapes)."""
 
-import os
 
 import pytest
 import torch
@@ -16,12 +15,11 @@ _ORDER = ("scalar", "avx2", "avx512")
 
 
 def _require_kernel():
-    if native_kernel_available():
-        return
-    disabled = os.environ.get(_native.ENV_VAR, "").lower() in _native._DISABLED
-    if os.environ.get("TEST_SRCDIR") and not disabled:  # under Bazel the .so is a data dependency
-        pytest.fail(f"quantization kernel failed to load: {_native.native_kernel_error()}")
-    pytest.skip(f"compiled kernel not built ({_native.native_kernel_error()}); set LLMQ_QUANT_KERNEL")
+    """These tests are about the compiled kernel: without it they fail (with how to get it),
+    never skip. Under Bazel it is a data dependency of this test."""
+    if not native_kernel_available():
+        pytest.fail(f"the quantization kernel is not loaded ({_native.native_kernel_error()}); build "
+                    "//cpp/quant:_quant_kernel.so (bazel test does) or set LLMQ_QUANT_KERNEL to it")
 
 
 def _isas():
