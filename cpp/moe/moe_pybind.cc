@@ -1,7 +1,8 @@
 // pybind11 binding of the MoE kernel. It takes raw addresses (Python ints, e.g.
 // torch.Tensor.data_ptr()) and sizes: the Python wrapper (python/llmq/ops) owns all
-// dtype/shape/contiguity checks, so this module needs no torch headers. The GIL is
-// released while the kernel runs. std::invalid_argument surfaces as ValueError.
+// dtype/shape/contiguity checks, so this file needs no torch headers (the op itself is
+// registered with the dispatcher by moe_torch_op.cc, linked into the same library). The GIL
+// is released while the kernel runs. std::invalid_argument surfaces as ValueError.
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
@@ -10,6 +11,7 @@
 
 #include "machine_peak.h"
 #include "moe_kernel.h"
+#include "moe_torch_op.h"
 
 namespace py = pybind11;
 using namespace llmq_moe;
@@ -60,6 +62,13 @@ void pack(uintptr_t q, uintptr_t scale, uintptr_t bias, int64_t batch, int64_t n
                 ptr<float>(out_sb) + b * 2 * groups);
 }
 
+Schedule parse_schedule(const std::string& name) {
+  if (name == "auto") return Schedule::kAuto;
+  if (name == "by_expert") return Schedule::kByExpert;
+  if (name == "by_columns") return Schedule::kByColumns;
+  throw std::invalid_argument("unknown schedule '" + name + "' (auto, by_expert, by_columns)");
+}
+
 MoEArgs make_args(const py::dict& d) {
   MoEArgs a;
   a.x = ptr<const float>(d["x"].cast<uintptr_t>());
@@ -88,11 +97,7 @@ MoEArgs make_args(const py::dict& d) {
   }
   a.num_threads = d["num_threads"].cast<int>();
   a.isa = parse_isa(d["isa"].cast<std::string>());
-  const std::string sched = d.contains("schedule") ? d["schedule"].cast<std::string>() : "auto";
-  if (sched == "auto") a.schedule = Schedule::kAuto;
-  else if (sched == "by_expert") a.schedule = Schedule::kByExpert;
-  else if (sched == "by_columns") a.schedule = Schedule::kByColumns;
-  else throw std::invalid_argument("unknown schedule '" + sched + "' (auto, by_expert, by_columns)");
+  a.schedule = parse_schedule(d.contains("schedule") ? d["schedule"].cast<std::string>() : "auto");
   return a;
 }
 
@@ -118,6 +123,20 @@ PYBIND11_MODULE(_moe_kernel, m) {
   m.def("pack", &pack, "Canonical [batch, n, k] -> tiled layout (see moe_kernel.h).");
   m.def("moe_ffn", &run_moe, "Run the op; arguments as a dict of addresses and sizes.");
   m.def("route", &run_route, "Router + scores + top-k only.");
+  m.def("set_op_isa", [](const std::string& name) { set_op_isa(parse_isa(name)); },
+        "Instruction-set path torch.ops.llmq.quantized_moe_ffn uses from now on.");
+  m.def("set_op_schedule", [](const std::string& name) { set_op_schedule(parse_schedule(name)); },
+        "w2 work split torch.ops.llmq.quantized_moe_ffn uses from now on.");
+  m.def(
+      "op_settings",
+      [] {
+        static const char* schedules[] = {"auto", "by_expert", "by_columns"};
+        py::dict d;
+        d["isa"] = isa_name(op_isa());
+        d["schedule"] = schedules[static_cast<int>(op_schedule())];
+        return d;
+      },
+      "The path and schedule the op uses now (as set by set_op_isa / set_op_schedule).");
   m.def(
       "measure_peak_gops",
       [](const std::string& kind, int threads, double seconds) {

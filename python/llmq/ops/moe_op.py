@@ -1,9 +1,11 @@
 """torch.ops.llmq.quantized_moe_ffn: schema, argument checks, CPU kernel and fake kernel.
 
-The CPU implementation hands data pointers to the torch-free C++ extension
-(cpp/moe, loaded by llmq.ops.kernel_loader); the fake kernel only checks shapes and
-dtypes, so the op traces and exports without the extension. Both run the same checks, so
-bad input fails the same way at trace time and at run time.
+The CPU kernel is C++ (cpp/moe/moe_torch_op.cc): loading the compiled extension
+(llmq.ops.kernel_loader, at import) registers it with the dispatcher, so a call never runs
+Python. Without the extension the CPU kernel is a stub that raises MoEKernelUnavailable
+naming the missing library. The fake kernel only checks shapes and dtypes, so the op
+traces and exports without the extension. Both run the same checks (check_moe_args here,
+its C++ mirror there), so bad input fails the same way at trace time and at run time.
 
 Numerical contract (docs/moe_kernel.md): router logits and scores in fp32; activations
 (x and the SwiGLU output) quantized per row and per weight group to int8 with
@@ -17,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from llmq.ops.kernel_loader import load_kernel
+from llmq.ops.kernel_loader import MoEKernelUnavailable, load_kernel, moe_kernel_available
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 _isa = os.environ.get("LLMQ_MOE_ISA", "auto")
@@ -30,6 +32,8 @@ def set_kernel_isa(name: str) -> str:
     global _isa
     if name not in ("auto", "scalar", "avx2", "avx512_vnni"):
         raise ValueError(f"unknown isa {name!r}; expected auto, scalar, avx2 or avx512_vnni")
+    if moe_kernel_available():
+        load_kernel().set_op_isa(name)
     old, _isa = _isa, name
     return old
 
@@ -40,6 +44,8 @@ def set_kernel_schedule(name: str) -> str:
     global _schedule
     if name not in ("auto", "by_expert", "by_columns"):
         raise ValueError(f"unknown schedule {name!r}; expected auto, by_expert or by_columns")
+    if moe_kernel_available():
+        load_kernel().set_op_schedule(name)
     old, _schedule = _schedule, name
     return old
 
@@ -76,7 +82,8 @@ def _check_matrix(q: torch.Tensor, sb: torch.Tensor, name: str, e: int, n: int, 
 def check_moe_args(x, router_weight, expert_bias, w13_qdata, w13_sb, w2_qdata, w2_sb, top_k, bits, group_size,
                    score_func, shared_w13_qdata, shared_w13_sb, shared_w2_qdata, shared_w2_sb,
                    shared_gate_weight, shared_bits, shared_group_size, num_threads):
-    """Shape/dtype checks shared by the fake and the real kernel; returns (E, D, F, Fs)."""
+    """Shape/dtype checks of the fake kernel (and of kernel_route); returns (E, D, F, Fs).
+    cpp/moe/moe_torch_op.cc makes the same checks with the same messages for the CPU kernel."""
     if x.dim() != 2 or x.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"quantized_moe_ffn: x must be float32 or bfloat16 [T, D], got {x.dtype} {list(x.shape)}")
     d = x.shape[1]
@@ -137,24 +144,30 @@ _SCHEMA = (
     "Tensor? shared_w2_qdata=None, Tensor? shared_w2_sb=None, Tensor? shared_gate_weight=None, "
     "int shared_bits=4, int shared_group_size=32, int num_threads=0) -> Tensor"
 )
+_OP_NAME = "llmq::quantized_moe_ffn"
 _LIB = torch.library.Library("llmq", "FRAGMENT")
 _LIB.define(_SCHEMA)
 
 
-def _cpu_kernel(x, router_weight, expert_bias, w13_qdata, w13_sb, w2_qdata, w2_sb, top_k, bits, group_size,
-                score_func="softmax", route_scale=1.0, shared_w13_qdata=None, shared_w13_sb=None,
-                shared_w2_qdata=None, shared_w2_sb=None, shared_gate_weight=None, shared_bits=4,
-                shared_group_size=32, num_threads=0):
-    args = _kernel_args(x, router_weight, expert_bias, w13_qdata, w13_sb, w2_qdata, w2_sb, top_k, bits, group_size,
-                        score_func, route_scale, shared_w13_qdata, shared_w13_sb, shared_w2_qdata, shared_w2_sb,
-                        shared_gate_weight, shared_bits, shared_group_size, num_threads)
-    kernel = load_kernel()
-    out = torch.empty(x.shape, dtype=torch.float32)
-    kernel.moe_ffn(args["dict"], out.data_ptr())
-    return out if x.dtype == torch.float32 else out.to(x.dtype)
+def _kernel_missing(*args, **kwargs):
+    load_kernel()  # raises MoEKernelUnavailable, naming the library and how to build it
+    raise MoEKernelUnavailable(f"{_OP_NAME}: the compiled extension loaded but registered no CPU kernel")
 
 
-_LIB.impl("quantized_moe_ffn", _cpu_kernel, "CPU")
+def _register_cpu_kernel() -> None:
+    """Load the extension now: its C++ registrar adds the CPU kernel to the schema above."""
+    try:
+        kernel = load_kernel()
+    except MoEKernelUnavailable:
+        _LIB.impl("quantized_moe_ffn", _kernel_missing, "CPU")
+        return
+    if not torch._C._dispatch_has_kernel_for_dispatch_key(_OP_NAME, "CPU"):
+        raise MoEKernelUnavailable(f"{kernel.__file__} loaded but registered no CPU kernel for {_OP_NAME}")
+    kernel.set_op_isa(_isa)  # LLMQ_MOE_ISA, if set
+    kernel.set_op_schedule(_schedule)
+
+
+_register_cpu_kernel()
 
 
 # Not differentiable (an inference kernel on quantized weights): autograd falls through, as

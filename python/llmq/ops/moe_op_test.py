@@ -328,6 +328,40 @@ def test_probe_and_the_cpp_side_checks_its_own_arguments():
             kernel.moe_ffn(bad, out.data_ptr())
 
 
+def test_cpu_kernel_is_the_compiled_one_and_follows_the_forced_path():
+    """The CPU kernel is the C++ one (no Python on the call path), and set_kernel_isa /
+    set_kernel_schedule reach it (else the cross-path equality tests would compare a path
+    with itself)."""
+    from llmq.ops.kernel_loader import load_kernel
+
+    cpu = [line for line in torch._C._dispatch_dump("llmq::quantized_moe_ffn").splitlines() if line.startswith("CPU:")]
+    assert len(cpu) == 1 and "moe_torch_op.cc" in cpu[0], cpu
+    kernel = load_kernel()
+    start = kernel.op_settings()
+    old = set_kernel_isa("scalar")
+    try:
+        assert kernel.op_settings()["isa"] == "scalar"
+    finally:
+        set_kernel_isa(old)
+    old = set_kernel_schedule("by_columns")
+    try:
+        assert kernel.op_settings()["schedule"] == "by_columns"
+    finally:
+        set_kernel_schedule(old)
+    assert kernel.op_settings() == start
+
+
+def test_strided_inputs_give_the_contiguous_result():
+    router, packed, sp, gate = small_setup()
+    x = torch.randn(64, 5).T  # [5, 64], not contiguous
+    args = op_args(x, router, None, packed, 2, shared=sp, gate=gate)
+    want = quantized_moe_ffn(**dict(args, x=x.contiguous()))
+    assert torch.equal(quantized_moe_ffn(**args), want)
+    wide = torch.zeros(router.shape[0], 2 * router.shape[1])
+    wide[:, ::2] = router  # a strided view of the same router
+    assert torch.equal(quantized_moe_ffn(**dict(args, router_weight=wide[:, ::2])), want)
+
+
 def test_fake_kernel_infers_shape_without_the_extension():
     router, packed, sp, gate = small_setup()
     from torch._subclasses.fake_tensor import FakeTensorMode
