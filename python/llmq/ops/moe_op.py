@@ -149,20 +149,34 @@ _LIB = torch.library.Library("llmq", "FRAGMENT")
 _LIB.define(_SCHEMA)
 
 
-def _kernel_missing(*args, **kwargs):
-    load_kernel()  # raises MoEKernelUnavailable, naming the library and how to build it
-    raise MoEKernelUnavailable(f"{_OP_NAME}: the compiled extension loaded but registered no CPU kernel")
+_cpp_kernel_registered = False
+
+
+def _missing_kernel_stub(problem: Optional[str]):
+    def kernel(*args, **kwargs):
+        if problem is None:
+            load_kernel()  # raises MoEKernelUnavailable, naming the library and how to build it
+        raise MoEKernelUnavailable(problem or f"{_OP_NAME}: the compiled MoE kernel is unavailable")
+
+    return kernel
 
 
 def _register_cpu_kernel() -> None:
-    """Load the extension now: its C++ registrar adds the CPU kernel to the schema above."""
+    """Load the extension now: its C++ registrar adds the CPU kernel to the schema above.
+    Without it (not built, or built before it registered the op) the CPU kernel is a stub
+    that raises MoEKernelUnavailable, so the schema and fake kernel still work."""
+    global _cpp_kernel_registered
     try:
         kernel = load_kernel()
     except MoEKernelUnavailable:
-        _LIB.impl("quantized_moe_ffn", _kernel_missing, "CPU")
+        _LIB.impl("quantized_moe_ffn", _missing_kernel_stub(None), "CPU")
         return
     if not torch._C._dispatch_has_kernel_for_dispatch_key(_OP_NAME, "CPU"):
-        raise MoEKernelUnavailable(f"{kernel.__file__} loaded but registered no CPU kernel for {_OP_NAME}")
+        _LIB.impl("quantized_moe_ffn", _missing_kernel_stub(
+            f"{kernel.__file__} loaded but registered no CPU kernel for {_OP_NAME}; rebuild //cpp/moe:_moe_kernel.so"),
+            "CPU")
+        return
+    _cpp_kernel_registered = True
     kernel.set_op_isa(_isa)  # LLMQ_MOE_ISA, if set
     kernel.set_op_schedule(_schedule)
 
@@ -271,7 +285,5 @@ def kernel_route(x, router_weight, expert_bias, packed, top_k: int, score_func: 
 @torch.library.custom_op("llmq::quantized_moe_ffn_available", mutates_args=())
 def quantized_moe_ffn_available() -> bool:
     """Registration probe as an op (torch.ops.llmq.quantized_moe_ffn_available()): True if
-    the compiled kernel behind quantized_moe_ffn loads on this machine."""
-    from llmq.ops.kernel_loader import moe_kernel_available
-
-    return moe_kernel_available()
+    the compiled kernel behind quantized_moe_ffn loaded and registered itself."""
+    return _cpp_kernel_registered

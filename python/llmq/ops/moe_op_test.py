@@ -8,6 +8,7 @@ reference reports the size of one such flip per output and two are allowed.
 """
 
 import math
+import os
 
 import pytest
 import torch
@@ -413,3 +414,33 @@ def test_export_keeps_the_op():
     assert torch.ops.llmq.quantized_moe_ffn.default in targets
     x = torch.randn(9, 64)
     assert torch.equal(ep.module()(x), _Block(router, packed)(x))
+
+
+def test_without_the_extension_the_schema_works_and_the_call_names_what_is_missing(tmp_path):
+    """A fresh interpreter whose LLMQ_MOE_KERNEL names no file: importing llmq.ops still
+    defines the op (the fake kernel traces), the probe says False, and a call raises
+    MoEKernelUnavailable naming the variable and the path it gave."""
+    import subprocess
+    import sys
+
+    script = """
+import torch, llmq.ops
+from torch._subclasses.fake_tensor import FakeTensorMode
+from llmq.ops.moe_testing import random_moe
+from llmq.ops import pack_moe_experts, MoEKernelUnavailable
+router, w13, w2, _ = random_moe(4, 64, 32, 4, 32, seed=1)
+p = pack_moe_experts(w13, w2)
+args = (torch.randn(3, 64), router, None, p.w13_qdata, p.w13_sb, p.w2_qdata, p.w2_sb, 2, 4, 32)
+with FakeTensorMode(allow_non_fake_inputs=True):
+    assert torch.ops.llmq.quantized_moe_ffn(*args).shape == (3, 64)
+assert not torch.ops.llmq.quantized_moe_ffn_available()
+try:
+    torch.ops.llmq.quantized_moe_ffn(*args)
+except MoEKernelUnavailable as e:
+    print("ERROR:", e)
+"""
+    env = dict(os.environ, LLMQ_MOE_KERNEL=str(tmp_path / "missing.so"),
+               PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "ERROR:" in proc.stdout and "LLMQ_MOE_KERNEL" in proc.stdout and "missing.so" in proc.stdout, proc.stdout
