@@ -131,6 +131,15 @@ def check_moe_args(x, router_weight, expert_bias, w13_qdata, w13_sb, w2_qdata, w
         raise ValueError("quantized_moe_ffn: shared_gate_weight given without a shared expert")
     if num_threads < 0:
         raise ValueError(f"quantized_moe_ffn: num_threads must be >= 0 (0 = torch.get_num_threads()), got {num_threads}")
+    # (mixed meta and CPU tensors reach this fake kernel, which would return garbage)
+    named = (("router_weight", router_weight), ("expert_bias", expert_bias), ("w13_qdata", w13_qdata),
+             ("w13_sb", w13_sb), ("w2_qdata", w2_qdata), ("w2_sb", w2_sb), ("shared_w13_qdata", shared_w13_qdata),
+             ("shared_w13_sb", shared_w13_sb), ("shared_w2_qdata", shared_w2_qdata), ("shared_w2_sb", shared_w2_sb),
+             ("shared_gate_weight", shared_gate_weight))
+    for name, t in named:
+        if t is not None and t.device.type != x.device.type:
+            raise ValueError(f"quantized_moe_ffn: {name} is on {t.device.type} but x on {x.device.type}; "
+                             "all tensors must be on one device")
     return e, d, f, fs
 
 

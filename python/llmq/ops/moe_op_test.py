@@ -296,6 +296,15 @@ BAD = [
 ]
 
 
+def test_tensors_on_different_devices_are_refused():
+    """A meta router next to CPU activations dispatches to the fake kernel, which must refuse
+    it rather than hand back an uninitialised CPU tensor."""
+    router, packed, sp, gate = small_setup()
+    args = op_args(torch.randn(3, 64), router.to("meta"), None, packed, 2, shared=sp, gate=gate)
+    with pytest.raises(ValueError, match="router_weight is on meta but x on cpu"):
+        quantized_moe_ffn(**args)
+
+
 @pytest.mark.parametrize("name,change,match", BAD, ids=[b[0] for b in BAD])
 def test_bad_arguments_fail_clearly_in_real_and_fake_kernel(name, change, match):
     router, packed, sp, gate = small_setup()
