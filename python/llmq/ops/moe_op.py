@@ -161,11 +161,9 @@ _LIB.define(_SCHEMA)
 _cpp_kernel_registered = False
 
 
-def _missing_kernel_stub(problem: Optional[str]):
+def _missing_kernel_stub(problem: str):
     def kernel(*args, **kwargs):
-        if problem is None:
-            load_kernel()  # raises MoEKernelUnavailable, naming the library and how to build it
-        raise MoEKernelUnavailable(problem or f"{_OP_NAME}: the compiled MoE kernel is unavailable")
+        raise MoEKernelUnavailable(problem)
 
     return kernel
 
@@ -177,8 +175,8 @@ def _register_cpu_kernel() -> None:
     global _cpp_kernel_registered
     try:
         kernel = load_kernel()
-    except MoEKernelUnavailable:
-        _LIB.impl("quantized_moe_ffn", _missing_kernel_stub(None), "CPU")
+    except MoEKernelUnavailable as e:  # names the library and how to build it
+        _LIB.impl("quantized_moe_ffn", _missing_kernel_stub(str(e)), "CPU")
         return
     if not torch._C._dispatch_has_kernel_for_dispatch_key(_OP_NAME, "CPU"):
         _LIB.impl("quantized_moe_ffn", _missing_kernel_stub(
