@@ -1,6 +1,7 @@
 """Read GGUF files and turn their quantized blocks into the canonical form, exactly.
 
-gguf-py's ``GGUFReader`` parses the header (tensor names, types, dims, offsets); the
+``gguf_header`` parses and validates the header (metadata, tensor names, types, dims,
+offsets; gguf-py's reader is not used); the
 tensor bytes are then read with one positioned read per tensor, and each supported
 block type is rearranged -- never dequantized and requantized -- into a
 ``GroupQuantizedWeight`` (unsigned q, LSB-first, float32 scale and additive bias):
@@ -45,6 +46,7 @@ from llmq.checkpoint.errors import (
     CorruptCheckpointError,
     UnsupportedCheckpointError,
 )
+from llmq.checkpoint.gguf_header import GGUFHeader, parse_header_cached
 from llmq.checkpoint.safetensors_io import alloc_bytes, pread_exact
 from llmq.quant.formats import GroupQuantizedWeight
 
@@ -73,7 +75,14 @@ _QUANT = {
 }
 SUPPORTED_TYPES = tuple(_PLAIN) + tuple(_QUANT)
 _PACKED_BY_DECODER = ("Q4_0", "Q4_1", "Q4_K")
-MAX_DIMS = 4  # GGML_MAX_DIMS
+# GGML tensor type ids (ggml.h's enum ggml_type; gguf.GGMLQuantizationType), for naming them.
+GGML_TYPES = {
+    0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 9: "Q8_1", 10: "Q2_K",
+    11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 15: "Q8_K", 16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS",
+    19: "IQ1_S", 20: "IQ4_NL", 21: "IQ3_S", 22: "IQ2_S", 23: "IQ4_XS", 24: "I8", 25: "I16", 26: "I32",
+    27: "I64", 28: "F64", 29: "IQ1_M", 30: "BF16", 34: "TQ1_0", 35: "TQ2_0", 39: "MXFP4", 40: "NVFP4",
+    41: "Q1_0",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,7 +273,11 @@ def to_canonical(type_name: str, raw: torch.Tensor, shape: Tuple[int, ...], *,
 
 
 class GGUFFile:
-    """A parsed, validated GGUF file: metadata, tensor table, and one-tensor-at-a-time reads."""
+    """A parsed, validated GGUF file: metadata, tensor table, and one-tensor-at-a-time reads.
+
+    The header is parsed by ``gguf_header`` (once per process for an unchanged file; large
+    metadata arrays stay on disk until used), never by gguf-py.
+    """
 
     def __init__(self, path: os.PathLike):
         self.path = os.fspath(path)
@@ -272,59 +285,24 @@ class GGUFFile:
             raise CheckpointNotFoundError("no such file", path=self.path)
         if os.path.isdir(self.path):
             raise CorruptCheckpointError("expected a .gguf file, found a directory", path=self.path)
-        self.file_size = os.path.getsize(self.path)
-        reader = self._parse()
-        try:
-            self.metadata = self._metadata(reader)
-            self.tensors = self._tensor_table(reader)
-        finally:
-            del reader  # drops gguf-py's memory map
+        header = parse_header_cached(self.path)
+        self.file_size = header.identity.size
+        self.metadata: Dict[str, Any] = {k: list(v) if isinstance(v, list) else v for k, v in header.metadata.items()}
+        self.tensors = self._tensor_table(header)
         self._fd: Optional[int] = os.open(self.path, os.O_RDONLY)
+        if not header.identity.matches(os.fstat(self._fd)):
+            self.close()
+            raise CorruptCheckpointError("the file changed after its header was read", path=self.path)
 
-    def _parse(self):
-        import gguf  # imported here: only GGUF users pay for it
-
-        if self.file_size < 24:
-            raise CorruptCheckpointError(
-                f"file is {self.file_size} bytes; a GGUF header alone needs 24 (truncated?)", path=self.path)
-        try:
-            return gguf.GGUFReader(self.path, "r")
-        except Exception as e:  # gguf-py raises ValueError, KeyError, IndexError, ... on bad bytes
-            if "GGMLQuantizationType" in str(e):
-                raise UnsupportedCheckpointError(
-                    f"a tensor has a GGML type unknown to gguf-py ({e}); importable types: "
-                    f"{', '.join(SUPPORTED_TYPES)}", path=self.path) from None
-            hint = " -- tensor data runs past the end of the file (truncated?)" if "reshape" in str(e) else ""
-            raise CorruptCheckpointError(
-                f"not a readable GGUF file ({type(e).__name__}: {e}){hint}"[:500], path=self.path) from None
-
-    def _metadata(self, reader) -> Dict[str, Any]:
-        out: Dict[str, Any] = {}
-        for key, field in reader.fields.items():
-            if key.startswith("GGUF."):
-                continue
-            try:
-                value = field.contents()
-            except Exception as e:
-                raise CorruptCheckpointError(f"metadata key {key!r} is unreadable ({e})"[:500], path=self.path) \
-                    from None
-            out[key] = value.item() if isinstance(value, np.generic) else value
-        return out
-
-    def _tensor_table(self, reader) -> List[GGUFTensorInfo]:
-        import gguf
-
+    def _tensor_table(self, header: GGUFHeader) -> List[GGUFTensorInfo]:
         out: List[GGUFTensorInfo] = []
-        for rt in reader.tensors:
-            name = rt.name
-            type_name = gguf.GGMLQuantizationType(rt.tensor_type).name
-            dims = [int(x) for x in rt.shape.tolist()]
-            if not 1 <= len(dims) <= MAX_DIMS or any(d < 0 for d in dims):
-                raise CorruptCheckpointError(f"has {len(dims)} dims {dims}; GGUF allows 1..{MAX_DIMS}",
-                                             path=self.path, tensor=name)
+        for rt in header.tensors:
+            name, dims = rt.name, list(rt.dims)
+            type_name = GGML_TYPES.get(rt.ggml_type)
             if type_name not in SUPPORTED_TYPES:
+                known = f"GGUF type {type_name}" if type_name else f"GGML type id {rt.ggml_type} (unknown)"
                 raise UnsupportedCheckpointError(
-                    f"GGUF type {type_name} cannot be imported exactly; supported: {', '.join(SUPPORTED_TYPES)}",
+                    f"{known} cannot be imported exactly; importable types: {', '.join(SUPPORTED_TYPES)}",
                     path=self.path, tensor=name)
             shape = tuple(reversed(dims))
             n = math.prod(dims)
@@ -337,8 +315,8 @@ class GGUFFile:
                         f"{type_name} needs the innermost dim to be a multiple of {block}, got {dims[0]}",
                         path=self.path, tensor=name)
                 nbytes = n // block * block_bytes
-            start = int(rt.data_offset)
-            if start < 0 or start + nbytes > self.file_size:
+            start = rt.start
+            if start + nbytes > self.file_size:
                 raise CorruptCheckpointError(
                     f"{type_name} {list(shape)} needs bytes [{start}, {start + nbytes}) but the file has "
                     f"{self.file_size} (truncated?)", path=self.path, tensor=name)
@@ -383,6 +361,9 @@ class GGUFFile:
 
 
 def read_gguf_metadata(path: os.PathLike) -> Dict[str, Any]:
-    """The key/value metadata of a GGUF file (architecture, hyper-parameters, tokenizer) as Python values."""
+    """The key/value metadata of a GGUF file (architecture, hyper-parameters, tokenizer) as Python values.
+
+    Arrays of more than gguf_header.EAGER_ARRAY_LIMIT elements (a tokenizer's vocabulary) come
+    back as a lazy ``GGUFArray`` sequence: ``len()`` is free, ``list()`` / ``tolist()`` decode it."""
     with GGUFFile(path) as f:
         return dict(f.metadata)
