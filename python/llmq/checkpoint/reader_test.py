@@ -458,3 +458,115 @@ def test_read_ahead_holds_at_most_its_depth(tmp_path, monkeypatch):
     assert len(rest) == 4 and len(calls) == 5
     with pytest.raises(ValueError, match="read_ahead"):
         next(iter_checkpoint(tmp_path / "m.safetensors", read_ahead=-1))
+
+
+# ---- strictness: the reference reader (safetensors.safe_open) decides what is a valid header ----------
+
+_ENTRY = '"t": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]}'
+HEADER_CASES = {  # raw JSON text: lone surrogates can only be written as escapes
+    "metadata list": '{"__metadata__": [], %s}' % _ENTRY,
+    "metadata string": '{"__metadata__": "", %s}' % _ENTRY,
+    "metadata false": '{"__metadata__": false, %s}' % _ENTRY,
+    "metadata zero": '{"__metadata__": 0, %s}' % _ENTRY,
+    "metadata int value": '{"__metadata__": {"a": 1}, %s}' % _ENTRY,
+    "metadata nested": '{"__metadata__": {"a": {}}, %s}' % _ENTRY,
+    "metadata null": '{"__metadata__": null, %s}' % _ENTRY,
+    "metadata empty": '{"__metadata__": {}, %s}' % _ENTRY,
+    "metadata ok": '{"__metadata__": {"format": "pt"}, %s}' % _ENTRY,
+    "lone high surrogate name": '{"\\ud800": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]}}',
+    "lone low surrogate name": '{"x\\udc80": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]}}',
+    "surrogate pair name": '{"\\ud83d\\ude00": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]}}',
+    "lone surrogate metadata key": '{"__metadata__": {"\\ud800": "x"}, %s}' % _ENTRY,
+    "lone surrogate metadata value": '{"__metadata__": {"x": "a\\udfff"}, %s}' % _ENTRY,
+    "lone surrogate dtype": '{"t": {"dtype": "U8\\ud800", "shape": [2], "data_offsets": [0, 2]}}',
+}
+
+
+@pytest.mark.parametrize("case", list(HEADER_CASES))
+def test_header_accepted_exactly_when_safe_open_accepts_it(tmp_path, case):
+    from safetensors import safe_open
+
+    raw = HEADER_CASES[case].encode("ascii")
+    path = tmp_path / "m.safetensors"
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + b"ab")
+    try:
+        with safe_open(str(path), "pt") as f:
+            reference = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception:
+        reference = None
+    if reference is None:
+        with pytest.raises(CorruptCheckpointError, match=r"m\.safetensors"):
+            list(iter_checkpoint(path))
+    else:
+        ours = dict(iter_checkpoint(path))
+        assert ours.keys() == reference.keys()
+        assert all(torch.equal(ours[k], reference[k]) for k in ours)
+
+
+@pytest.mark.parametrize("bad", [{"model.norm.weight": "model\ud800.safetensors"},
+                                 {"model.norm\udfff.weight": "SHARD"}])
+def test_index_with_lone_surrogates_is_a_checkpoint_error(tmp_path, bad):
+    folder = write_hf_folder(tmp_path / "hf", tensors())
+    index = folder / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    shard = data["weight_map"]["model.norm.weight"]
+    data["weight_map"].update({k: shard if v == "SHARD" else v for k, v in bad.items()})
+    index.write_text(json.dumps(data))  # ensure_ascii: the surrogate is written as a \\u escape
+    with pytest.raises(CorruptCheckpointError, match="lone UTF-16 surrogate"):
+        list(iter_checkpoint(folder))
+    with pytest.raises(CorruptCheckpointError, match="lone UTF-16 surrogate"):
+        checkpoint_names(folder)
+
+
+def write_hub_cache(root, sd):
+    """The layout huggingface_hub's snapshot_download writes: snapshots/<rev>/ holds relative
+    symlinks into ../../blobs/<hash>."""
+    plain = write_hf_folder(root / "plain", sd)
+    model = root / "hub" / "models--org--tiny"
+    snapshot = model / "snapshots" / "0123abcd"
+    (model / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    (model / "refs").mkdir()
+    (model / "refs" / "main").write_text("0123abcd")
+    for i, name in enumerate(sorted(os.listdir(plain))):
+        blob = model / "blobs" / f"{i:040x}"
+        os.rename(plain / name, blob)
+        os.symlink(os.path.join("..", "..", "blobs", blob.name), snapshot / name)
+    return model, snapshot
+
+
+def test_hub_cache_snapshot_symlinks_into_blobs_are_followed(tmp_path):
+    sd = tensors()
+    model, snapshot = write_hub_cache(tmp_path, sd)
+    got = dict(iter_checkpoint(snapshot))
+    assert got.keys() == sd.keys() and all(torch.equal(got[k], sd[k]) for k in sd)
+    # a link inside the snapshot pointing out of this model's cache folder is still refused
+    save_file({"x": torch.zeros(1)}, tmp_path / "hub" / "elsewhere.safetensors")
+    index = snapshot / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    shard = data["weight_map"]["model.norm.weight"]
+    os.unlink(snapshot / shard)
+    os.symlink(os.path.join("..", "..", "..", "elsewhere.safetensors"), snapshot / shard)
+    with pytest.raises(CorruptCheckpointError, match="outside the hub cache folder .*models--org--tiny"):
+        list(iter_checkpoint(snapshot))
+    # ... and so is a link into another model's blobs
+    other = tmp_path / "hub" / "models--org--other" / "blobs"
+    other.mkdir(parents=True)
+    os.rename(tmp_path / "hub" / "elsewhere.safetensors", other / "b")
+    os.unlink(snapshot / shard)
+    os.symlink(os.path.join("..", "..", "..", "models--org--other", "blobs", "b"), snapshot / shard)
+    with pytest.raises(CorruptCheckpointError, match="outside"):
+        list(iter_checkpoint(snapshot))
+
+
+def test_a_folder_merely_named_like_a_snapshot_gets_no_wider_root(tmp_path):
+    """Without the hub cache's blobs/ folder next to snapshots/, the checkpoint folder is the root."""
+    folder = write_hf_folder(tmp_path / "models--a--b" / "snapshots" / "rev", tensors())
+    save_file({"x": torch.zeros(1)}, tmp_path / "models--a--b" / "x.safetensors")
+    index = folder / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    data["weight_map"]["model.norm.weight"] = "link.safetensors"
+    os.symlink(os.path.join("..", "..", "x.safetensors"), folder / "link.safetensors")
+    index.write_text(json.dumps(data))
+    with pytest.raises(CorruptCheckpointError, match="outside the checkpoint folder"):
+        list(iter_checkpoint(folder))

@@ -97,6 +97,32 @@ def _reject_duplicate_keys(pairs):
     return out
 
 
+def has_lone_surrogate(s: str) -> bool:
+    """True when s holds a code point U+D800..U+DFFF: JSON's "\\ud800" escapes decode to one in
+    Python but are not Unicode text (Rust's serde_json, and so safe_open, refuses them)."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _lone_surrogate(value) -> Optional[str]:
+    """The first string (object key or value, at any depth) holding a lone surrogate, or None."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            if has_lone_surrogate(v):
+                return v
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return None
+
+
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -136,10 +162,17 @@ def read_header(path: os.PathLike) -> SafetensorsHeader:
         raise CorruptCheckpointError(f"header must be a JSON object, got {type(header).__name__}", path=path)
     data_start = 8 + header_len
     data_size = file_size - data_start
-    metadata = header.pop("__metadata__", None) or {}
+    bad = _lone_surrogate(header)
+    if bad is not None:
+        raise CorruptCheckpointError(f"header string {bad!r} holds a lone UTF-16 surrogate escape (not valid "
+                                     "Unicode; the reference reader refuses it)"[:300], path=path)
+    metadata = header.pop("__metadata__", None)  # absent or null: none
+    if metadata is None:
+        metadata = {}
     if not isinstance(metadata, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
-        raise CorruptCheckpointError("__metadata__ must map strings to strings", path=path)
+        raise CorruptCheckpointError(f"__metadata__ must be an object mapping strings to strings, got "
+                                     f"{json.dumps(metadata)[:80]}", path=path)
 
     entries: List[TensorEntry] = []
     for name, info in header.items():

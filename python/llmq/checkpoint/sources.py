@@ -30,7 +30,7 @@ from llmq.checkpoint.errors import (
     UnsupportedCheckpointError,
 )
 from llmq.checkpoint.gguf_import import GGUFFile
-from llmq.checkpoint.safetensors_io import SafetensorsFile
+from llmq.checkpoint.safetensors_io import SafetensorsFile, has_lone_surrogate
 from llmq.quant.formats import GroupQuantizedWeight
 
 Value = Union[torch.Tensor, GroupQuantizedWeight]
@@ -170,16 +170,35 @@ class BundleSource(Source):
             self._open = None
 
 
+def allowed_root(folder: str) -> str:
+    """The folder that shard files (after following symlinks) must stay inside.
+
+    Normally the checkpoint folder itself. A Hugging Face hub cache snapshot
+    (``.../models--org--name/snapshots/<revision>/``, the layout ``snapshot_download`` and
+    transformers write) holds symlinks into ``../../blobs/``: for it the root is that model's
+    cache folder ``models--org--name/``, so links into its blobs are followed and anything
+    further out is still refused.
+    """
+    real = os.path.realpath(folder)
+    snapshots = os.path.dirname(real)
+    model_cache = os.path.dirname(snapshots)
+    if (os.path.basename(snapshots) == "snapshots" and os.path.basename(model_cache).startswith("models--")
+            and os.path.isdir(os.path.join(model_cache, "blobs"))):
+        return model_cache
+    return real
+
+
 def _safe_member(folder: str, rel: object, *, index: str, tensor: Optional[str]) -> str:
     """Resolve a shard name from an index, refusing anything that escapes the folder."""
     if not isinstance(rel, str) or not rel or "\x00" in rel:
         raise CorruptCheckpointError(f"shard name must be a non-empty string, got {rel!r}", path=index, tensor=tensor)
     if os.path.isabs(rel) or ".." in rel.replace("\\", "/").split("/"):
         raise CorruptCheckpointError(f"shard {rel!r} points outside the checkpoint folder", path=index, tensor=tensor)
-    root = os.path.realpath(folder)
-    full = os.path.realpath(os.path.join(root, rel))
+    root = allowed_root(folder)
+    full = os.path.realpath(os.path.join(folder, rel))
     if os.path.commonpath([root, full]) != root:
-        raise CorruptCheckpointError(f"shard {rel!r} resolves outside the checkpoint folder (symlink?)",
+        where = "the checkpoint folder" if root == os.path.realpath(folder) else f"the hub cache folder {root}"
+        raise CorruptCheckpointError(f"shard {rel!r} resolves outside {where} (symlink to {full})",
                                      path=index, tensor=tensor)
     if not os.path.isfile(full):
         raise CheckpointNotFoundError(f"shard {rel!r} named by the index does not exist", path=index, tensor=tensor)
@@ -200,9 +219,13 @@ def _read_index(index: str) -> Dict[str, str]:
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict):
         raise CorruptCheckpointError('index must be a JSON object with a "weight_map" object', path=index)
-    for k in weight_map:
+    for k, v in weight_map.items():
         if not isinstance(k, str):
             raise CorruptCheckpointError(f"weight_map key {k!r} is not a string", path=index)
+        for what, s in (("tensor name", k), ("shard name", v)):
+            if isinstance(s, str) and has_lone_surrogate(s):
+                raise CorruptCheckpointError(f"weight_map {what} {s!r} holds a lone UTF-16 surrogate escape "
+                                             "(not valid Unicode)", path=index)
     return weight_map
 
 
