@@ -6,8 +6,12 @@ happens), reads it completely, and asserts that the reader either succeeds or ra
 CheckpointError -- never IndexError, struct.error, MemoryError, a numpy error, or a
 hang (each example runs under a 5 s alarm). Where the reader accepts a mutated
 safetensors file, the reference implementation (safetensors.safe_open) must accept it
-too and return the same tensors. Deterministic (derandomize) and bounded: about
-3,000 examples in all.
+too and return the same tensors; for structured headers the reverse holds as well.
+GGUF files are also built field by field, and their counts and lengths (array element
+counts, string and key lengths, tensor and metadata counts, dims, offsets) overwritten
+with hostile values; where the reader accepts such a file, gguf-py's GGUFReader must
+read the same metadata and tensor table. Deterministic (derandomize) and bounded:
+about 4,000 examples, under a minute.
 """
 
 import contextlib
@@ -138,14 +142,19 @@ def headers(draw):
         if draw(st.booleans()):
             header[f"t{i}"][draw(st.sampled_from(["extra", "dtype", "shape"]))] = draw(
                 st.one_of(st.none(), st.integers(), st.text(max_size=3)))
+    strings = st.one_of(st.text(max_size=3), st.sampled_from(["\ud800", "a\udfff", "\udc80b", "\U0001f600"]))
     if draw(st.booleans()):
-        header["__metadata__"] = draw(st.dictionaries(st.text(max_size=3), st.one_of(st.text(max_size=3),
-                                                                                      st.integers()), max_size=2))
+        header["__metadata__"] = draw(st.one_of(
+            st.dictionaries(strings, st.one_of(strings, st.integers(), st.none()), max_size=2),
+            st.sampled_from([[], "", 0, False, None, {}, [["a", "b"]]])))
+    if draw(st.integers(0, 4)) == 0 and header:  # a tensor name that is not valid Unicode
+        name = draw(st.sampled_from(sorted(k for k in header if k != "__metadata__") or ["__metadata__"]))
+        header[name + draw(st.sampled_from(["\ud800", "\udfff"]))] = header.pop(name)
     data_len = draw(st.integers(0, 96))
     return header, data_len
 
 
-@fuzz(700)
+@fuzz(500)
 @given(spec=headers())
 def test_structured_safetensors_headers(workdir, spec):
     header, data_len = spec
@@ -155,6 +164,12 @@ def test_structured_safetensors_headers(workdir, spec):
         f.write(struct.pack("<Q", len(raw)) + raw + bytes(range(data_len % 256)) + b"\0" * max(0, data_len - 256))
     ours = read_all(path, nonfinite="allow")
     check_against_reference(path, ours)
+    if isinstance(ours, CheckpointError):  # ... and we refuse only what the reference refuses
+        from safetensors import safe_open
+
+        with pytest.raises(Exception):
+            with safe_open(path, "pt") as f:
+                [f.get_tensor(k) for k in f.keys()]
 
 
 def seed_gguf(workdir):
@@ -191,6 +206,145 @@ def test_mutated_gguf(workdir, ops):
             assert isinstance(v, (torch.Tensor, GroupQuantizedWeight))
 
 
+class GGUFBuilder:
+    """Writes a GGUF file field by field (independently of the reader under test) and records
+    where every count and length lives, so the fuzzer can overwrite exactly those."""
+
+    def __init__(self):
+        self.buf = bytearray()
+        self.fields = []  # (offset, struct format, label)
+
+    def put(self, fmt: str, value, label=None):
+        if label is not None:
+            self.fields.append((len(self.buf), fmt, label))
+        self.buf += struct.pack(fmt, value)
+
+    def string(self, s: str, label: str):
+        raw = s.encode()
+        self.put("<Q", len(raw), f"{label} length")
+        self.buf += raw
+
+    def value(self, vtype: int, v, label: str):
+        if vtype == 8:
+            self.string(v, label)
+        elif vtype == 9:
+            etype, items = v
+            self.put("<I", etype, f"{label} element type")
+            self.put("<Q", len(items), f"{label} count")
+            for i, item in enumerate(items):
+                self.value(etype, item, f"{label}[{i}]")
+        else:
+            self.buf += struct.pack("<" + {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q",
+                                           11: "q", 12: "d"}[vtype], v)
+
+    def build(self, kvs, tensors, alignment=32) -> bytes:
+        self.buf += b"GGUF"
+        self.put("<I", 3, "version")
+        self.put("<Q", len(tensors), "tensor count")
+        self.put("<Q", len(kvs), "kv count")
+        for key, vtype, v in kvs:
+            self.string(key, f"key {key}")
+            self.put("<I", vtype, f"{key} type")
+            self.value(vtype, v, key)
+        offset, blobs = 0, []
+        for name, ggml_type, dims, data in tensors:
+            self.string(name, f"tensor {name} name")
+            self.put("<I", len(dims), f"{name} n_dims")
+            for d, n in enumerate(dims):
+                self.put("<Q", n, f"{name} dim {d}")
+            self.put("<I", ggml_type, f"{name} type")
+            self.put("<Q", offset, f"{name} offset")
+            blobs.append((offset, data))
+            offset += len(data) + (-len(data) % alignment)
+        self.buf += b"\0" * (-len(self.buf) % alignment)
+        start = len(self.buf)
+        for off, data in blobs:
+            self.buf += b"\0" * (start + off - len(self.buf)) + data
+        return bytes(self.buf)
+
+
+def seed_gguf_fields():
+    """A small GGUF holding every metadata value type and array kind, plus F32 / Q8_0 tensors."""
+    rng = np.random.default_rng(1)
+    q8 = rng.integers(0, 256, size=(2, 34), dtype=np.uint8)
+    q8[:, 0:2] = np.array([0x00, 0x3C], dtype=np.uint8)  # d = 1.0
+    kvs = [("general.architecture", 8, "llama"), ("general.alignment", 4, 32), ("llama.block_count", 4, 2),
+           ("llama.u8", 0, 7), ("llama.i8", 1, -7), ("llama.u16", 2, 700), ("llama.i16", 3, -700),
+           ("llama.i32", 5, -70000), ("llama.f32", 6, 0.5), ("llama.flag", 7, True), ("llama.u64", 10, 2 ** 40),
+           ("llama.i64", 11, -(2 ** 40)), ("llama.f64", 12, 0.25),
+           ("llama.pattern", 9, (7, [True, False, True])), ("llama.heads", 9, (5, [4, 8, 4, 8])),
+           ("llama.scales", 9, (6, [0.5, 1.5])), ("llama.ids", 9, (10, [1, 2])),
+           ("tokenizer.ggml.tokens", 9, (8, ["a", "bb", "", "dddd", "e"]))]
+    tensors = [("norm.weight", 0, [8], np.arange(8, dtype=np.float32).tobytes()),
+               ("blk.0.q8", 8, [32, 2], q8.tobytes()), ("tail", 0, [2, 2], np.ones(4, np.float32).tobytes())]
+    builder = GGUFBuilder()
+    return builder.build(kvs, tensors), builder.fields
+
+
+_HOSTILE = st.one_of(st.sampled_from([0, 1, 2, 3, 4, 5, 7, 8, 31, 33, 2 ** 31, 2 ** 32 - 1, 2 ** 32, 2 ** 35,
+                                      10 ** 9, 2 ** 63 - 1, 2 ** 63, 2 ** 64 - 1]),
+                     st.integers(0, 2 ** 64 - 1), st.integers(0, 4096))
+
+
+def gguf_reference_view(path):
+    """gguf-py's reading of a file: metadata values and (name, type, dims, data offset) per tensor."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    tensors = [(t.name, int(t.tensor_type), tuple(int(d) for d in t.shape), int(t.data_offset)) for t in reader.tensors]
+    return meta, tensors
+
+
+def test_gguf_builder_seed_reads_the_same_in_gguf_py(workdir):
+    from llmq.checkpoint import read_gguf_metadata
+
+    path = os.path.join(workdir, "seed_fields.gguf")
+    with open(path, "wb") as f:
+        f.write(seed_gguf_fields.cache[0])
+    meta = {k: list(v) for k, v in read_gguf_metadata(path).items() if not isinstance(v, (str, int, float))}
+    ref_meta, _ = gguf_reference_view(path)
+    assert meta == {k: v for k, v in ref_meta.items() if isinstance(v, list)}
+    assert meta["tokenizer.ggml.tokens"] == ["a", "bb", "", "dddd", "e"]
+    assert set(dict(iter_checkpoint(path))) == {"norm.weight", "blk.0.q8", "tail"}
+
+
+@fuzz(1500)
+@given(edits=st.lists(st.tuples(st.integers(0, 10 ** 6), _HOSTILE), min_size=1, max_size=2),
+       delta=st.booleans(), cut=st.one_of(st.none(), st.integers(1, 160)))
+def test_gguf_hostile_counts_and_lengths(workdir, edits, delta, cut):
+    from llmq.checkpoint import gguf_header, read_gguf_metadata
+
+    data, fields = seed_gguf_fields.cache
+    buf = bytearray(data)
+    for index, value in edits:
+        offset, fmt, _ = fields[index % len(fields)]
+        width = struct.calcsize(fmt)
+        if delta:  # near the true value: off by a little, the classic miscount
+            value = struct.unpack_from(fmt, buf, offset)[0] + (value % 33) - 16
+        struct.pack_into(fmt, buf, offset, value % (1 << (8 * width)))
+    if cut is not None:
+        del buf[len(buf) - cut:]
+    path = os.path.join(workdir, "f.gguf")
+    with open(path, "wb") as f:
+        f.write(bytes(buf))
+    got = read_all(path, nonfinite="allow")
+    with time_limit(5.0):
+        try:
+            meta = read_gguf_metadata(path)
+            meta = {k: v.tolist() if isinstance(v, gguf_header.GGUFArray) else v for k, v in meta.items()}
+        except CheckpointError:
+            meta = None
+    if isinstance(got, CheckpointError) or meta is None:
+        return
+    # Accepted: gguf-py reads the same (its reader is safe on a file whose counts all fit).
+    with time_limit(5.0):
+        ref_meta, ref_tensors = gguf_reference_view(path)
+    assert meta == ref_meta
+    header = gguf_header.parse_header(path)
+    assert [(t.name, t.ggml_type, t.dims, t.start) for t in header.tensors] == ref_tensors
+
+
 def seed_bundle(workdir):
     out = os.path.join(workdir, "seed_bundle")
     q = pack_bits(torch.arange(64).reshape(2, 32) % 16, 4)
@@ -220,8 +374,9 @@ def test_mutated_bundles(workdir, target, ops, verify):
 @st.composite
 def weight_maps(draw):
     names = ["model-00001.safetensors", "../outside.safetensors", "/abs.safetensors", "missing.safetensors",
-             "", ".", "sub/../model-00001.safetensors", "model-00001.safetensors\x00x"]
-    wm = draw(st.dictionaries(st.sampled_from(["a", "b", "ghost"]),
+             "", ".", "sub/../model-00001.safetensors", "model-00001.safetensors\x00x",
+             "model-00001\ud800.safetensors", "\udc80", "model-00001.safetensors\udfff"]
+    wm = draw(st.dictionaries(st.sampled_from(["a", "b", "ghost", "a\ud800", "\udfff"]),
                               st.one_of(st.sampled_from(names), st.integers(), st.none()), max_size=3))
     return draw(st.sampled_from([{"weight_map": wm}, wm, [wm], {"weight_map": [1]}, "x"]))
 
@@ -243,4 +398,10 @@ def test_mutated_index_json(workdir, index):
 def seeds(workdir):
     seed_safetensors.cache = seed_safetensors(workdir)
     seed_gguf.cache = seed_gguf(workdir)
+    seed_gguf_fields.cache = seed_gguf_fields()
+    from llmq.checkpoint import gguf_header
+
+    gguf_header.EAGER_ARRAY_LIMIT, old_limit = 3, gguf_header.EAGER_ARRAY_LIMIT  # exercise the lazy arrays too
     seed_bundle.cache = seed_bundle(workdir)
+    yield
+    gguf_header.EAGER_ARRAY_LIMIT = old_limit
