@@ -20,6 +20,7 @@ once per edge instead of once per pair. See docs/formats.md for the full contrac
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Tuple
 
 import torch
@@ -135,10 +136,27 @@ def unpack_bits(qdata: torch.Tensor, bits: int, k: int) -> torch.Tensor:
     return torch.stack(parts, dim=-1).reshape(*qdata.shape[:-1], k).to(torch.uint8)
 
 
+# Rows are dequantized this many elements at a time: the exact float64 evaluation needs
+# ~25 bytes of scratch per element, so a block costs ~25 MiB whatever the tensor's size
+# (a 262k x 5.4k embedding would otherwise need ~30 GB on top of its output).
+DEQUANT_BLOCK_ELEMENTS = 1 << 20
+
+
 def dequantize_canonical(w: GroupQuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """scale*q + bias evaluated exactly in float64, rounded once to float32 (then to dtype)."""
-    k = w.shape[-1]
-    q = unpack_bits(w.qdata, w.bits, k).to(torch.float64)
-    q = q.reshape(*q.shape[:-1], k // w.group_size, w.group_size)
-    out = q * w.scale.to(torch.float64).unsqueeze(-1) + w.bias.to(torch.float64).unsqueeze(-1)
-    return out.to(torch.float32).reshape(w.shape).to(dtype)
+    """scale*q + bias evaluated exactly in float64, rounded once to float32 (then to dtype).
+
+    Works through whole rows in blocks of about DEQUANT_BLOCK_ELEMENTS elements, so transient
+    memory is bounded by the block, not the tensor; the result is identical either way."""
+    k, g = w.shape[-1], w.group_size
+    rows = math.prod(w.shape[:-1]) if len(w.shape) >= 2 else 1
+    out = torch.empty((rows, k), dtype=dtype)
+    if rows == 0 or k == 0:
+        return out.reshape(w.shape)
+    qdata = w.qdata.reshape(rows, -1)
+    scale, bias = w.scale.reshape(rows, -1, 1), w.bias.reshape(rows, -1, 1)
+    step = max(1, DEQUANT_BLOCK_ELEMENTS // k)
+    for r in range(0, rows, step):
+        q = unpack_bits(qdata[r:r + step], w.bits, k).to(torch.float64).reshape(-1, k // g, g)
+        q.mul_(scale[r:r + step].to(torch.float64)).add_(bias[r:r + step].to(torch.float64))
+        out[r:r + step] = q.to(torch.float32).reshape(-1, k).to(dtype)
+    return out.reshape(w.shape)
