@@ -21,13 +21,14 @@ missing, exact permutations of quantized rows / column blocks, and the gate|up e
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
 from llmq.checkpoint import UnsupportedCheckpointError, iter_checkpoint
-from llmq.checkpoint.gguf_import import GGUFFile
+from llmq.checkpoint.gguf_import import GGUFFile, GGUFTensorInfo
 from llmq.quant import GroupQuantizedWeight, fuse_along_output
 from llmq.quant.formats import dequantize_canonical, pack_bits, unpack_bits
 
@@ -74,7 +75,7 @@ class Metadata:
         """A value llama.cpp may store per layer as an array: must be uniform (or uniform over the
         layers `per_layer` selects)."""
         value = self.get(key, default)
-        if isinstance(value, (list, tuple)):
+        if isinstance(value, collections.abc.Sequence) and not isinstance(value, str):
             chosen = list(value) if per_layer is None else [v for v, keep in zip(value, per_layer) if keep]
             if len(set(chosen)) != 1:
                 raise ValueError(f"GGUF {self.arch}.{key} varies across layers ({list(value)}); not supported")
@@ -86,8 +87,8 @@ class Metadata:
             return int(self.get("vocab_size"))
         if "token_embd.weight" in tensors.shapes:
             return int(tensors.shapes["token_embd.weight"][0])
-        tokens = self.raw.get("tokenizer.ggml.tokens")
-        if tokens:
+        tokens = self.raw.get("tokenizer.ggml.tokens")  # len() does not decode a lazy GGUFArray
+        if tokens is not None and len(tokens):
             return len(tokens)
         raise ValueError("GGUF: vocabulary size unknown (no vocab_size key, token_embd.weight or token list)")
 
@@ -105,17 +106,25 @@ def permute_rows(value: Value, perm: torch.Tensor) -> Value:
     return value.index_select(-2, perm)
 
 
-def permute_column_blocks(value: Value, block_perm: torch.Tensor, block: int, *, name: str) -> Value:
+def permute_column_blocks(value: Value, block_perm: torch.Tensor, block: int, *, name: str,
+                          notes: Optional[List[str]] = None) -> Value:
     """Reorder the input dimension K in whole blocks of `block` columns: out block i = in block
-    block_perm[i]. Exact on quantized weights when a block is a whole number of groups;
-    otherwise refused (moving part of a group would change its scale)."""
+    block_perm[i]. Exact on quantized weights when a block is a whole number of groups. When
+    blocks split groups (moving part of a group would change its scale), the weight is
+    dequantized exactly (float32) and reordered, with a note in `notes`: the recipe then
+    quantizes it like any float tensor."""
     k = value.shape[-1]
+    if torch.equal(block_perm, torch.arange(len(block_perm))):
+        return value
     cols = (block_perm[:, None] * block + torch.arange(block)[None, :]).reshape(-1)
     if not isinstance(value, GroupQuantizedWeight):
         return value.index_select(-1, cols)
     if block % value.group_size:
-        raise ValueError(f"{name}: GGUF reorders its input columns in blocks of {block}, which split its "
-                         f"quantization groups of {value.group_size}; cannot undo that exactly")
+        if notes is not None:
+            notes.append(f"{name}: GGUF reorders its input columns in blocks of {block}, which split its "
+                         f"{value.bits}-bit quantization groups of {value.group_size}; dequantized (exactly), "
+                         f"reordered, and left to the recipe to quantize")
+        return dequantize_canonical(value).index_select(-1, cols)
     q = unpack_bits(value.qdata, value.bits, k).index_select(-1, cols)
     groups = (block_perm[:, None] * (block // value.group_size)
               + torch.arange(block // value.group_size)[None, :]).reshape(-1)
@@ -189,8 +198,40 @@ def hf_config(arch, path: str) -> Dict[str, Any]:
         gguf_file.close()
 
 
+_FLOAT_TYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
+_INT_TYPES = {"I8", "I16", "I32", "I64"}
+
+
+def model_dtype(tensors: Iterable[GGUFTensorInfo]) -> torch.dtype:
+    """The one float dtype the import gives every tensor (our models need one dtype throughout).
+
+    llama.cpp's converter mixes them: with ``--outtype auto`` on a bf16 checkpoint it writes
+    matrices as BF16 but norms, routers, ``ssm_a`` and conv1d as F32. When nothing is
+    quantized and the float tensors are one 16-bit type plus F32 (the type llama.cpp keeps
+    small tensors in), the model dtype is that 16-bit type; otherwise it is float32, gguf-py's
+    dequantization dtype, to which every GGUF type converts exactly.
+    """
+    infos = list(tensors)
+    if any(t.type_name not in _FLOAT_TYPES and t.type_name not in _INT_TYPES for t in infos):
+        return torch.float32  # block-quantized tensors dequantize to float32
+    half = {t.type_name for t in infos if t.type_name in _FLOAT_TYPES} - {"F32"}
+    if len(half) == 1 and half <= {"F16", "BF16"}:
+        return _FLOAT_TYPES[half.pop()]
+    return torch.float32
+
+
+def _as_dtype(value: Value, dtype: torch.dtype) -> Value:
+    if isinstance(value, GroupQuantizedWeight):
+        return value if value.dtype == dtype else dataclasses.replace(value, dtype=dtype)
+    return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
+
+
 def model_tensors(arch, path: str, config, *, notes: Optional[List[str]] = None) -> Iterator[Tuple[str, Value]]:
-    """The GGUF file as a stream of model-layout tensors (renamed, transforms undone, gate|up fused)."""
+    """The GGUF file as a stream of model-layout tensors (renamed, transforms undone, gate|up fused),
+    every float tensor in one dtype (``model_dtype``)."""
+    with GGUFFile(path) as gguf_file:  # the header is parsed once per process (gguf_header's cache)
+        dtype = model_dtype(gguf_file.tensors)
+        stored = sorted({t.type_name for t in gguf_file.tensors if t.type_name in _FLOAT_TYPES})
     converter = _module(arch).GGUFConverter(config)
     for name, value in iter_checkpoint(path):
         try:
@@ -199,10 +240,14 @@ def model_tensors(arch, path: str, config, *, notes: Optional[List[str]] = None)
             raise
         except ValueError as e:  # reported like any other bad input: file and tensor named
             raise UnsupportedCheckpointError(str(e), path=path, tensor=name) from None
-        yield from converted
+        for out_name, out_value in converted:
+            yield out_name, _as_dtype(out_value, dtype)
     try:
         converter.close()
     except ValueError as e:
         raise UnsupportedCheckpointError(str(e), path=path) from None
     if notes is not None:
+        if len(stored) > 1 or (stored and _FLOAT_TYPES[stored[0]] != dtype):
+            notes.append(f"the GGUF stores float tensors as {', '.join(stored)}; imported as {dtype} "
+                         f"throughout, so the model has one dtype")
         notes.extend(converter.notes)

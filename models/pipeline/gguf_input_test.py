@@ -16,7 +16,11 @@ from __future__ import annotations
 
 import json
 
+import os
+import time
+
 import gguf
+import numpy as np
 import pytest
 import torch
 
@@ -40,8 +44,8 @@ Q8_0, Q4_0 = gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0
 _FLOAT_ONLY = ("norm", "conv1d", "A_log", "dt_bias", "layer_scalar", ".mlp.gate.weight", "shared_expert_gate")
 
 
-def _float_model(arch, seed=0):
-    hf = arch.tiny_hf_config()
+def _float_model(arch, seed=0, hf_overrides=None):
+    hf = dict(arch.tiny_hf_config(), **(hf_overrides or {}))
     config = arch.config_from_hf(hf)
     torch.manual_seed(seed)
     model = arch.build_model(config, device="cpu", dtype=torch.float32)
@@ -67,6 +71,13 @@ def _tile_v_heads(t, dim, k_heads, v_heads, head_dim):
     """llama.cpp's _LinearAttentionVReorderBase: V heads grouped by K head -> tiled order."""
     shape = list(t.shape)
     t = t.reshape(shape[:dim] + [k_heads, v_heads // k_heads, head_dim] + shape[dim + 1:])
+    return t.transpose(dim, dim + 1).reshape(shape)
+
+
+def _untile_v_heads(t, dim, k_heads, v_heads, head_dim):
+    """The inverse of _tile_v_heads."""
+    shape = list(t.shape)
+    t = t.reshape(shape[:dim] + [v_heads // k_heads, k_heads, head_dim] + shape[dim + 1:])
     return t.transpose(dim, dim + 1).reshape(shape)
 
 
@@ -175,10 +186,21 @@ def _dq(w, qtype):
     return torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(w.numpy(), qtype), qtype).copy())
 
 
-def _write_gguf(arch, path, leave_float=()):
+def _bf16_raw(t):
+    """A bf16 tensor as gguf-py's raw BF16 bytes ([..., K] -> uint8 [..., 2K])."""
+    return t.contiguous().view(torch.int16).numpy().view(np.uint8)
+
+
+def _write_gguf(arch, path, leave_float=(), float_layout=None, hf_overrides=None):
     """Write the tiny model as GGUF; returns (config, float model, {our name: gguf-py-dequantized
-    reference weight}, {our name: GGUF type of its quantized halves})."""
-    hf, config, model = _float_model(arch)
+    reference weight}, {our name: GGUF type of its quantized halves}).
+
+    float_layout="bf16": nothing quantized; the model's weights are rounded to bf16 and written
+    the way llama.cpp's convert_hf_to_gguf.py --outtype auto writes a bf16 checkpoint: value
+    transforms computed in bf16, matrices as BF16, norms / routers / ssm_a / conv1d / vectors as F32."""
+    hf, config, model = _float_model(arch, hf_overrides=hf_overrides)
+    if float_layout == "bf16":
+        model = model.to(torch.bfloat16)
     is_qwen = arch is QWEN
     writer = gguf.GGUFWriter(str(path), "qwen35moe" if is_qwen else "gemma4")
     (_qwen_metadata if is_qwen else _gemma_metadata)(writer, hf, config)
@@ -186,11 +208,19 @@ def _write_gguf(arch, path, leave_float=()):
     writer.add_eos_token_id(1)
     reference, types = {}, {}
     for name, w in model.state_dict().items():
-        w = w.detach().float()
+        w = w.detach() if float_layout == "bf16" else w.detach().float()
         parts = (_qwen_to_gguf if is_qwen else _gemma_to_gguf)(config, name, w)
         halves = []
         for gguf_name, t in parts:
             quantize = w.dim() >= 2 and not any(s in name for s in _FLOAT_ONLY) and gguf_name not in leave_float
+            if float_layout == "bf16":
+                if quantize:
+                    writer.add_tensor(gguf_name, _bf16_raw(t), raw_dtype=gguf.GGMLQuantizationType.BF16)
+                    types[name] = ("BF16",)
+                else:
+                    writer.add_tensor(gguf_name, t.float().contiguous().numpy())
+                halves.append(None)
+                continue
             qtype = _SPECIAL[arch.name].get(gguf_name, Q8_0) if quantize else None
             if qtype is None:
                 writer.add_tensor(gguf_name, t.contiguous().numpy())
@@ -203,6 +233,11 @@ def _write_gguf(arch, path, leave_float=()):
             if name.endswith(".experts.gate_up_proj"):
                 f = w.shape[1] // 2
                 reference[name] = torch.cat([_dq(w[:, :f], halves[0]), _dq(w[:, f:], halves[1])], dim=1)
+            elif name.endswith(".linear_attn.out_proj.weight") and config.linear_value_head_dim % 32:
+                # The V-head column reorder moves blocks smaller than a quantization group: the
+                # GGUF's blocks are formed in llama.cpp's order, then the columns are moved back.
+                geometry = (config.linear_num_key_heads, config.linear_num_value_heads, config.linear_value_head_dim)
+                reference[name] = _untile_v_heads(_dq(parts[0][1], halves[0]), 1, *geometry)
             else:
                 reference[name] = _dq(w, halves[0])
             types[name] = tuple(halves)
@@ -337,8 +372,15 @@ def test_quantized_column_blocks_permute_exactly():
     moved = permute_column_blocks(w, perm, 32, name="x")
     dense = dequantize_canonical(w)
     assert torch.equal(dequantize_canonical(moved), dense.reshape(8, 4, 32)[:, perm].reshape(8, 128))
-    with pytest.raises(ValueError, match="split its quantization groups"):
-        permute_column_blocks(w, torch.arange(8), 16, name="x")
+    assert permute_column_blocks(w, torch.arange(8), 16, name="x") is w  # identity: nothing to undo
+    # Blocks of 16 split the groups of 32: dequantized exactly, then reordered, with a note.
+    notes = []
+    perm16 = torch.tensor([1, 0, 3, 2, 5, 4, 7, 6])
+    split = permute_column_blocks(w, perm16, 16, name="x", notes=notes)
+    assert isinstance(split, torch.Tensor) and split.dtype == torch.float32
+    assert torch.equal(split, dense.reshape(8, 8, 16)[:, perm16].reshape(8, 128))
+    assert notes == ["x: GGUF reorders its input columns in blocks of 16, which split its 8-bit quantization "
+                     "groups of 32; dequantized (exactly), reordered, and left to the recipe to quantize"]
 
 
 def test_cli_reports_a_bad_gguf_in_one_line(tmp_path):
@@ -347,3 +389,81 @@ def test_cli_reports_a_bad_gguf_in_one_line(tmp_path):
     with pytest.raises((CheckpointError, UsageError)):
         run(QWEN, checkpoint=str(path), recipe="int4", backend="bundle", out=str(tmp_path / "out"), resume=False,
             max_shard_size=1 << 20, verify=False, seed=0, progress=False)
+
+
+@pytest.mark.parametrize("arch", [QWEN, GEMMA4], ids=lambda a: a.name)
+def test_llama_cpp_bf16_gguf_imports_in_one_dtype_and_verifies(arch, tmp_path, keep_recipe, capsys):
+    """convert_hf_to_gguf.py --outtype auto on a bf16 checkpoint: BF16 matrices, F32 norms/routers/
+    ssm_a/conv1d. The import gives every tensor one dtype (bf16), so verification runs."""
+    from llmq.checkpoint.gguf_import import GGUFFile
+
+    path = tmp_path / "model.gguf"
+    config, float_model, reference, types = _write_gguf(arch, path, float_layout="bf16")
+    with GGUFFile(path) as f:
+        assert {t.type_name for t in f.tensors} == {"BF16", "F32"}
+    result = run(arch, checkpoint=str(path), recipe=keep_recipe, backend="bundle", out=str(tmp_path / "keep"),
+                 resume=False, max_shard_size=1 << 20, verify=True, seed=0, progress=False)
+    assert "stores float tensors as BF16, F32; imported as torch.bfloat16 throughout" in capsys.readouterr().out
+    bundle = load_bundle(result["bundle"])
+    assert {v.dtype for v in bundle.values()} == {torch.bfloat16}
+    for name, value in bundle.items():
+        if name in types:  # BF16 in the file: exact
+            assert torch.equal(value, reference[name]), name
+        else:  # F32 in the file, derived in bf16 by the converter (w + 1, -exp(A_log)), rounded back to bf16
+            assert torch.allclose(value.float(), reference[name].float(), rtol=2 ** -6, atol=2 ** -7), name
+    assert result["cosine"] == pytest.approx(1.0, abs=1e-6)  # the GGUF model vs the bundle: the same weights
+
+    # The default recipe quantizes the bf16 matrices; the bundle verifies against the GGUF model.
+    result = run(arch, checkpoint=str(path), recipe=None, backend="bundle", out=str(tmp_path / "default"),
+                 resume=False, max_shard_size=1 << 20, verify=True, seed=0, progress=False)
+    bundle = load_bundle(result["bundle"])
+    assert result["quantized"] > 0
+    assert {v.dtype for v in bundle.values()} == {torch.bfloat16}  # quantized weights dequantize to bf16 too
+    assert result["cosine"] > 0.9
+
+
+def test_ssm_out_reorder_that_splits_groups_falls_back_exactly(tmp_path, keep_recipe, capsys):
+    """linear_value_head_dim 16: llama.cpp's V-head reorder of ssm_out moves 16-column blocks across
+    32-wide Q8_0/Q4_0 groups. The tensor is dequantized exactly, reordered, and handed to the recipe."""
+    path = tmp_path / "model.gguf"
+    config, _, reference, types = _write_gguf(QWEN, path, hf_overrides={"linear_value_head_dim": 16})
+    assert config.linear_value_head_dim == 16 and config.linear_num_key_heads != config.linear_num_value_heads
+    result = run(QWEN, checkpoint=str(path), recipe=keep_recipe, backend="bundle", out=str(tmp_path / "keep"),
+                 resume=False, max_shard_size=1 << 20, verify=True, seed=0, progress=False)
+    printed = capsys.readouterr().out
+    bundle = load_bundle(result["bundle"])
+    out_projs = [n for n in bundle if n.endswith(".linear_attn.out_proj.weight")]
+    assert len(out_projs) == 3
+    for name in out_projs:
+        layer = name.split(".")[2]
+        assert (f"note: blk.{layer}.ssm_out.weight: GGUF reorders its input columns in blocks of 16, which split "
+                f"its {8 if layer != '0' else 4}-bit quantization groups of 32; dequantized (exactly)") in printed
+        assert isinstance(bundle[name], torch.Tensor) and torch.equal(bundle[name], reference[name]), name
+    assert result["cosine"] == pytest.approx(1.0, abs=1e-9)
+    # with a real recipe the recipe quantizes it
+    result = run(QWEN, checkpoint=str(path), recipe="int4", backend="bundle", out=str(tmp_path / "int4"),
+                 resume=False, max_shard_size=1 << 20, verify=False, seed=0, progress=False)
+    value = load_bundle(result["bundle"])[out_projs[0]]
+    assert isinstance(value, GroupQuantizedWeight) and value.bits == 4
+
+
+def test_pipeline_parses_the_gguf_header_once_and_leaves_the_vocabulary_on_disk(tmp_path, keep_recipe, monkeypatch):
+    from llmq.checkpoint import gguf_header
+
+    # The tiny vocabulary then stays on disk, as a real 262k-entry one does.
+    monkeypatch.setattr(gguf_header, "EAGER_ARRAY_LIMIT", 16)
+    path = tmp_path / "model.gguf"
+    config, _, _, _ = _write_gguf(GEMMA4, path)
+    hour_ago = time.time() - 3600
+    os.utime(path, (hour_ago, hour_ago))  # a freshly written file's times are too coarse to cache on
+    gguf_header.clear_cache()
+    parses = []
+    parse_header, reader = gguf_header.parse_header, gguf.GGUFReader
+    monkeypatch.setattr(gguf_header, "parse_header", lambda p: parses.append(p) or parse_header(p))
+    monkeypatch.setattr(gguf, "GGUFReader", lambda *a, **k: parses.append(a) or reader(*a, **k))
+    run(GEMMA4, checkpoint=str(path), recipe=keep_recipe, backend="bundle", out=str(tmp_path / "out"), resume=False,
+        max_shard_size=1 << 20, verify=True, seed=0, progress=False)
+    assert len(parses) == 1  # config, names, tensor stream and verification share one parse
+    tokens = gguf_header.parse_header_cached(str(path)).metadata["tokenizer.ggml.tokens"]
+    assert isinstance(tokens, gguf_header.GGUFArray) and len(tokens) == config.vocab_size > 16
+    assert not tokens.loaded

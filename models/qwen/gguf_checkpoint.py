@@ -15,7 +15,9 @@ DeltaNet V heads reordered from grouped by K    inverse permutation: rows of in_
 head to tiled, when K heads != V heads          in_proj_z, in_proj_a/b, A_log, dt_bias, conv1d (V
                                                 part); column blocks of out_proj -- exact on
                                                 quantized rows, and on quantized columns when a
-                                                head is a whole number of groups
+                                                head is a whole number of groups; otherwise
+                                                out_proj is dequantized exactly, reordered and
+                                                left to the recipe (with a note)
 experts gate_up [E, 2F, D] split into           fused back (exact for same-format halves, see
 ffn_gate_exps / ffn_up_exps                     gguf_input.ExpertPairFuser)
 MTP layers appended as blocks >= n_layer        dropped (the text model has no MTP head)
@@ -158,7 +160,8 @@ class GGUFConverter:
         if hf_name.endswith((".linear_attn.in_proj_a.weight", ".linear_attn.in_proj_b.weight")):
             return permute_rows(value, self._v_heads)
         if hf_name.endswith(".linear_attn.out_proj.weight"):
-            return permute_column_blocks(value, self._v_heads, self.config.linear_value_head_dim, name=name)
+            return permute_column_blocks(value, self._v_heads, self.config.linear_value_head_dim, name=name,
+                                         notes=self.notes)
         if hf_name.endswith(".mlp.shared_expert_gate.weight") and isinstance(value, torch.Tensor) and value.dim() == 1:
             return value.reshape(1, -1)
         return value
