@@ -14,10 +14,8 @@ read the same metadata and tensor table. Deterministic (derandomize) and bounded
 about 4,000 examples, under a minute.
 """
 
-import contextlib
 import json
 import os
-import signal
 import struct
 
 import numpy as np
@@ -28,6 +26,7 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 from llmq.checkpoint import CheckpointError, iter_checkpoint, load_bundle, save_bundle
+from llmq.checkpoint.testing_util import time_limit
 from llmq.quant.formats import GroupQuantizedWeight, pack_bits
 
 _FUZZ = settings(derandomize=True, database=None, deadline=None, print_blob=False,
@@ -36,20 +35,6 @@ _FUZZ = settings(derandomize=True, database=None, deadline=None, print_blob=Fals
 
 def fuzz(n: int):
     return settings(_FUZZ, max_examples=n)
-
-
-@contextlib.contextmanager
-def time_limit(seconds: float):
-    def on_alarm(signum, frame):
-        raise TimeoutError(f"reader still running after {seconds} s (hang?)")
-
-    old = signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
 
 
 def mutations(hot_bytes: int):

@@ -6,9 +6,7 @@ Every read of a corrupted file runs under a 5 s alarm, so a parser that loops on
 the test instead of hanging it.
 """
 
-import contextlib
 import os
-import signal
 import struct
 import time
 
@@ -19,22 +17,9 @@ import pytest
 from llmq.checkpoint import CorruptCheckpointError, UnsupportedCheckpointError, iter_checkpoint, read_gguf_metadata
 from llmq.checkpoint import gguf_header
 from llmq.checkpoint.gguf_import import GGUFFile
+from llmq.checkpoint.testing_util import time_limit
 
 TOKENS = [f"tok{i}" for i in range(5000)]  # above EAGER_ARRAY_LIMIT: stays on disk until used
-
-
-@contextlib.contextmanager
-def time_limit(seconds: float):
-    def on_alarm(signum, frame):
-        raise TimeoutError(f"still parsing after {seconds} s (hang?)")
-
-    old = signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
 
 
 def write_gguf(path, tokens=("a", "bb", "ccc")):
