@@ -323,3 +323,17 @@ def test_unexpected_failure_still_ends_with_one_line(sim):
     line = error_line(proc)
     assert "sha256sum" in line
     assert sim.bazel_runs() == []
+
+
+def test_unrunnable_bazel_is_one_line(sim):
+    sim.install_bazel_and_rules_java()
+    (sim.bazel_dir / "bazel-4").write_bytes(b"\x7fELF\x02\x01\x01 not really a binary\x00")
+    line = error_line(sim.run("build", "//..."))
+    assert str(sim.bazel_dir / "bazel-4") in line
+
+
+def test_bazel_with_a_missing_interpreter_is_one_line(sim):
+    sim.install_bazel_and_rules_java()
+    sim.write(sim.bazel_dir / "bazel-4", "#!/nonexistent/interpreter\n")
+    line = error_line(sim.run("build", "//..."))
+    assert str(sim.bazel_dir / "bazel-4") in line
