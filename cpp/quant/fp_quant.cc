@@ -468,6 +468,17 @@ Status quantize_nvfp4(const FpArgs& a, int64_t rows_per_global, bool compute_glo
   return bad.load() ? Status::kNotFinite : Status::kOk;
 }
 
+Status abs_max(const FpArgs& a, int64_t rows_per_group, float* amax) {
+  require(a, 1);
+  if (rows_per_group <= 0 || a.rows % rows_per_group) throw std::invalid_argument("rows_per_group must divide rows");
+  if (a.rows > 0 && !amax) throw std::invalid_argument("null pointer argument");
+  if (a.rows == 0) return Status::kOk;
+  std::vector<float> m;
+  if (!group_amax(a, rows_per_group, &m)) return Status::kNotFinite;
+  std::copy(m.begin(), m.end(), amax);
+  return Status::kOk;
+}
+
 uint8_t e4m3_from_float(float x) { return e4m3_code(x); }
 float e4m3_to_float(uint8_t code) { return e4m3_value(code); }
 uint8_t e2m1_from_float(float x) { return e2m1_code(x); }

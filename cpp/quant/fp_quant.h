@@ -47,6 +47,10 @@ Status quantize_mx(const FpArgs& a, bool fp4, uint8_t* codes, uint8_t* scale_e8m
 Status quantize_nvfp4(const FpArgs& a, int64_t rows_per_global, bool compute_global, float* global_scale,
                       uint8_t* codes, uint8_t* block_scale);
 
+// max |w| over each group of rows_per_group consecutive rows (one per expert, or one for the
+// whole tensor), as float32 (exact: |x| and max are exact); kNotFinite if a NaN or Inf is present.
+Status abs_max(const FpArgs& a, int64_t rows_per_group, float* amax);
+
 // Element codecs, exposed for tests: float32 -> e4m3fn byte (round to nearest even, sign
 // kept, |x| <= 448 expected: callers clamp first) and float32 -> 4-bit E2M1 code.
 uint8_t e4m3_from_float(float x);

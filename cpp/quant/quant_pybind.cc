@@ -142,6 +142,14 @@ std::string run_quantize_nvfp4(uintptr_t w, const std::string& input, int64_t ro
   });
 }
 
+std::string run_abs_max(uintptr_t w, const std::string& input, int64_t rows, int64_t k, int64_t rows_per_group,
+                        uintptr_t amax, int threads, const std::string& isa) {
+  const FpArgs a = fp_args(w, input, rows, k, threads, isa);
+  const std::string err = check_fp_args(a, 1);
+  if (!err.empty()) throw std::invalid_argument(err);
+  return run_fp([&] { return abs_max(a, rows_per_group, reinterpret_cast<float*>(amax)); });
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_quant_kernel, m) {
@@ -164,4 +172,7 @@ PYBIND11_MODULE(_quant_kernel, m) {
         py::arg("rows_per_global"), py::arg("compute_global"), py::arg("global_scale"), py::arg("codes"),
         py::arg("block_scale"), py::arg("threads") = 0, py::arg("isa") = "auto",
         "NVFP4 (llmq.quant.fp.quantize_nvfp4); returns 'ok' or 'not_finite'.");
+  m.def("abs_max", &run_abs_max, py::arg("w"), py::arg("input"), py::arg("rows"), py::arg("k"),
+        py::arg("rows_per_group"), py::arg("amax"), py::arg("threads") = 0, py::arg("isa") = "auto",
+        "max |w| per group of rows_per_group rows into float32 amax; returns 'ok' or 'not_finite'.");
 }

@@ -121,5 +121,19 @@ def quantize_nvfp4(w, global_scale=None, *, threads: Optional[int] = None, isa: 
     return (codes, block_scale.view(torch.float8_e4m3fn), g) if status == "ok" else None
 
 
+def abs_max(w, per_expert: bool, *, threads: Optional[int] = None, isa: str = "auto") -> Optional[torch.Tensor]:
+    """float32 max |w| (one per expert of a 3-D w when per_expert, else a 0-dim tensor), equal
+    to torch's w.abs().amax(...).float() without its full-size copy; None as above."""
+    m = _native._load()
+    if m is None or not _plain(w, 1):
+        return None
+    rows = _rows(w)
+    shape = (w.shape[0],) if per_expert and w.dim() == 3 else ()
+    amax = torch.empty(shape, dtype=torch.float32)
+    status = m.abs_max(rows.data_ptr(), _INPUT_NAMES[rows.dtype], rows.shape[0], rows.shape[1],
+                       rows.shape[0] // max(1, amax.numel()), amax.data_ptr(), _threads(threads), isa)
+    return amax if status == "ok" else None
+
+
 def _threads(threads: Optional[int]) -> int:
     return _native.get_num_threads() if threads is None else threads

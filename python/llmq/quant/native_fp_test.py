@@ -238,3 +238,18 @@ def test_rows_split_across_threads():
             want = ref()
         for t in (2, 3, 7):
             _assert_same(native(t), want, f"{name} threads={t}")
+
+
+@pytest.mark.parametrize("dtype", _DTYPES, ids=str)
+def test_abs_max_equals_torch(dtype):
+    gen = torch.Generator().manual_seed(5)
+    for w in (_random_finite_bits((3, 64, 96), dtype, gen), torch.zeros(2, 8, 8, dtype=dtype),
+              torch.full((4, 4), -0.0, dtype=dtype), (torch.randn(600, 256, generator=gen) * 1e-3).to(dtype)):
+        for isa in _isas():
+            for t in (1, 2):
+                got = _native_fp.abs_max(w, per_expert=True, threads=t, isa=isa)
+                want = w.abs().amax(dim=(-2, -1)).float() if w.dim() == 3 else w.abs().amax().float()
+                assert got.shape == want.shape and torch.equal(_bits(got), _bits(want)), (dtype, isa, t)
+    w = torch.randn(4, 4).to(dtype)
+    w[1, 2] = float("inf")
+    assert _native_fp.abs_max(w, per_expert=True) is None
