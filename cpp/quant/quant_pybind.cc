@@ -8,6 +8,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "fp_quant.h"
 #include "quant_kernel.h"
 
 namespace py = pybind11;
@@ -76,6 +77,79 @@ py::tuple run_count_nonfinite(uintptr_t data, const std::string& input, int64_t 
   return py::make_tuple(c.nan, c.inf);
 }
 
+FpArgs fp_args(uintptr_t w, const std::string& input, int64_t rows, int64_t k, int threads, const std::string& isa) {
+  FpArgs a;
+  a.w = reinterpret_cast<const void*>(w);
+  a.input = parse_input(input);
+  a.rows = rows;
+  a.k = k;
+  a.threads = threads;
+  a.isa = parse_isa(isa);
+  return a;
+}
+
+template <typename F>
+std::string run_fp(F&& f) {
+  Status s;
+  {
+    py::gil_scoped_release release;
+    s = f();
+  }
+  return s == Status::kOk ? "ok" : "not_finite";
+}
+
+// granularity: "tensor" | "channel" | "block128"; scale is read (compute_scale false) or written.
+std::string run_quantize_fp8(uintptr_t w, const std::string& input, int64_t rows, int64_t k,
+                             const std::string& granularity, int64_t rows_per_scale, bool compute_scale, uintptr_t scale,
+                             uintptr_t out, int threads, const std::string& isa) {
+  const FpArgs a = fp_args(w, input, rows, k, threads, isa);
+  Fp8Granularity g;
+  if (granularity == "tensor")
+    g = Fp8Granularity::kTensor;
+  else if (granularity == "channel")
+    g = Fp8Granularity::kChannel;
+  else if (granularity == "block128")
+    g = Fp8Granularity::kBlock128;
+  else
+    throw std::invalid_argument("unknown FP8 granularity '" + granularity + "' (expected tensor, channel, block128)");
+  const std::string err = check_fp_args(a, g == Fp8Granularity::kBlock128 ? 128 : 1);
+  if (!err.empty()) throw std::invalid_argument(err);
+  return run_fp([&] {
+    return quantize_fp8(a, g, rows_per_scale, compute_scale, reinterpret_cast<float*>(scale),
+                        reinterpret_cast<uint8_t*>(out));
+  });
+}
+
+std::string run_quantize_mx(uintptr_t w, const std::string& input, int64_t rows, int64_t k, bool fp4, uintptr_t codes,
+                            uintptr_t scale_e8m0, int threads, const std::string& isa) {
+  const FpArgs a = fp_args(w, input, rows, k, threads, isa);
+  const std::string err = check_fp_args(a, 32);
+  if (!err.empty()) throw std::invalid_argument(err);
+  return run_fp([&] {
+    return quantize_mx(a, fp4, reinterpret_cast<uint8_t*>(codes), reinterpret_cast<uint8_t*>(scale_e8m0));
+  });
+}
+
+std::string run_quantize_nvfp4(uintptr_t w, const std::string& input, int64_t rows, int64_t k, int64_t rows_per_global,
+                               bool compute_global, uintptr_t global_scale, uintptr_t codes, uintptr_t block_scale,
+                               int threads, const std::string& isa) {
+  const FpArgs a = fp_args(w, input, rows, k, threads, isa);
+  const std::string err = check_fp_args(a, 16);
+  if (!err.empty()) throw std::invalid_argument(err);
+  return run_fp([&] {
+    return quantize_nvfp4(a, rows_per_global, compute_global, reinterpret_cast<float*>(global_scale),
+                          reinterpret_cast<uint8_t*>(codes), reinterpret_cast<uint8_t*>(block_scale));
+  });
+}
+
+std::string run_abs_max(uintptr_t w, const std::string& input, int64_t rows, int64_t k, int64_t rows_per_group,
+                        uintptr_t amax, int threads, const std::string& isa) {
+  const FpArgs a = fp_args(w, input, rows, k, threads, isa);
+  const std::string err = check_fp_args(a, 1);
+  if (!err.empty()) throw std::invalid_argument(err);
+  return run_fp([&] { return abs_max(a, rows_per_group, reinterpret_cast<float*>(amax)); });
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_quant_kernel, m) {
@@ -87,4 +161,18 @@ PYBIND11_MODULE(_quant_kernel, m) {
         "Quantize rows [rows, k] at the given addresses; returns 'ok', 'not_finite' or 'range_overflow'.");
   m.def("count_nonfinite", &run_count_nonfinite, py::arg("data"), py::arg("input"), py::arg("n"),
         "(NaN count, Inf count) among n elements of the given float type at address data (one thread).");
+  m.def("quantize_fp8", &run_quantize_fp8, py::arg("w"), py::arg("input"), py::arg("rows"), py::arg("k"),
+        py::arg("granularity"), py::arg("rows_per_scale"), py::arg("compute_scale"), py::arg("scale"), py::arg("out"),
+        py::arg("threads") = 0, py::arg("isa") = "auto",
+        "FP8 e4m3 (llmq.quant.fp.quantize_fp8); returns 'ok' or 'not_finite'.");
+  m.def("quantize_mx", &run_quantize_mx, py::arg("w"), py::arg("input"), py::arg("rows"), py::arg("k"),
+        py::arg("fp4"), py::arg("codes"), py::arg("scale_e8m0"), py::arg("threads") = 0, py::arg("isa") = "auto",
+        "MXFP4 / MXFP8 (llmq.quant.fp.quantize_mx); returns 'ok' or 'not_finite'.");
+  m.def("quantize_nvfp4", &run_quantize_nvfp4, py::arg("w"), py::arg("input"), py::arg("rows"), py::arg("k"),
+        py::arg("rows_per_global"), py::arg("compute_global"), py::arg("global_scale"), py::arg("codes"),
+        py::arg("block_scale"), py::arg("threads") = 0, py::arg("isa") = "auto",
+        "NVFP4 (llmq.quant.fp.quantize_nvfp4); returns 'ok' or 'not_finite'.");
+  m.def("abs_max", &run_abs_max, py::arg("w"), py::arg("input"), py::arg("rows"), py::arg("k"),
+        py::arg("rows_per_group"), py::arg("amax"), py::arg("threads") = 0, py::arg("isa") = "auto",
+        "max |w| per group of rows_per_group rows into float32 amax; returns 'ok' or 'not_finite'.");
 }

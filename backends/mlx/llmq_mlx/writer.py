@@ -19,7 +19,8 @@ Output:
 an entry `{"group_size", "bits", "mode"}` for every module that differs, and `false` for
 every module whose 2-D+ `.weight` was kept in high precision, so mlx-lm never guesses.
 
-Shards are flushed as they fill, so memory stays bounded by one shard. The folder is
+Each tensor is written to its shard as it arrives (llmq.checkpoint.shard_file), so memory
+holds one tensor, whatever the shard size. The folder is
 built under a temporary name and renamed into place when complete: an interrupted
 run never leaves a folder that looks finished. Same input -> byte-identical files.
 """
@@ -36,6 +37,7 @@ from typing import Dict, Iterable, Optional, Sequence, Tuple, Union
 
 import torch
 
+from llmq.checkpoint.shard_file import StreamingShardFile, header_reserve
 from llmq.quant.formats import GroupQuantizedWeight
 
 from .affine import MLXQuantizedWeight, pack_mlx_affine
@@ -74,40 +76,36 @@ def quantization_section(params: Dict[str, Dict[str, object]], kept: Sequence[st
 
 
 class _ShardWriter:
-    """Accumulates tensors and flushes a safetensors shard whenever the next one would overflow."""
+    """Writes each tensor into the open shard as it arrives (llmq.checkpoint.shard_file: one
+    tensor in memory at a time) and starts a new shard whenever the next one would overflow."""
 
     def __init__(self, folder: Path, max_shard_bytes: int):
         self.folder = folder
         self.max_shard_bytes = max_shard_bytes
-        self.pending: Dict[str, torch.Tensor] = {}
-        self.pending_bytes = 0
+        self.reserve = header_reserve(max_shard_bytes)
+        self.open: Optional[StreamingShardFile] = None
         self.shard_files = []  # temporary names, in order
         self.weight_map: Dict[str, int] = {}  # tensor name -> shard index
         self.total_bytes = 0
 
     def add(self, name: str, t: torch.Tensor) -> None:
-        if name in self.weight_map or name in self.pending:
+        if name in self.weight_map:
             raise ValueError(f"tensor {name!r} written twice")
-        nbytes = t.numel() * t.element_size()
-        if self.pending and self.pending_bytes + nbytes > self.max_shard_bytes:
+        if self.open is not None and not self.open.fits(name, t, self.max_shard_bytes):
             self.flush()
-        self.pending[name] = t.detach().contiguous().cpu()
-        self.pending_bytes += nbytes
-        self.total_bytes += nbytes
+        if self.open is None:
+            self.open = StreamingShardFile(str(self.folder / f"shard-{len(self.shard_files):05d}.partial"),
+                                           self.reserve, {"format": "mlx"})
+        self.open.add(name, t)
+        self.weight_map[name] = len(self.shard_files)
+        self.total_bytes += t.numel() * t.element_size()
 
     def flush(self) -> None:
-        from safetensors.torch import save_file
-
-        if not self.pending:
+        shard, self.open = self.open, None
+        if shard is None:
             return
-        index = len(self.shard_files)
-        path = self.folder / f"shard-{index:05d}.partial"
-        save_file(self.pending, str(path), metadata={"format": "mlx"})
-        for name in self.pending:
-            self.weight_map[name] = index
-        self.shard_files.append(path)
-        self.pending = {}
-        self.pending_bytes = 0
+        shard.close()
+        self.shard_files.append(Path(shard.path))
 
     def finish(self) -> Sequence[str]:
         """Flush, give the shards their final names, write the index if sharded."""

@@ -7,7 +7,7 @@ from llmq.export.hf_config import (
     build_hf_quantization_config,
     build_modelopt_hf_quant_config,
 )
-from llmq.export.shards import ShardWriter, save_shard
+from llmq.export.shards import ShardWriter
 from llmq.export.spec import (
     ExportState,
     WeightExportSpec,
@@ -32,7 +32,6 @@ __all__ = [
     "export_quantized_weight_tensors",
     "make_spec",
     "merge_export_states",
-    "save_shard",
     "select_export_state",
     "write_hf_quantized_checkpoint",
 ]

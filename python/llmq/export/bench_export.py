@@ -6,9 +6,11 @@
 Writes a synthetic checkpoint (Llama-like decoder layers of 4096x4096 / 4096x11008 bf16
 linears, sharded safetensors) once, then for each format runs the streaming writer in a fresh
 subprocess that reads the shards one tensor at a time, and prints GB/s of bf16 input and the
-subprocess's peak RSS (safetensors' save_file serialises a whole shard in memory, so the
-peak is about baseline + 2 x shard size + one tensor's temporaries). The input is read from the page cache (it was just written), so the
-numbers measure quantize + pack + write, not the disk.
+subprocess's peak RSS (shards are written tensor by tensor, so the peak is baseline + about
+one tensor and its outputs). Format "io" is the reference in the same run: the same read
+and the same shard writer with no quantization (bf16 in, bf16 out), so its RSS is the
+baseline and its rate the I/O ceiling. The input is read from the page cache (it was just
+written), so the numbers measure quantize + pack + write, not the disk.
 """
 
 from __future__ import annotations
@@ -73,8 +75,19 @@ def iter_folder(folder: str):
 
 def run_one(src: str, dst: str, fmt: str, style: str, max_shard_bytes: int = 512 << 20) -> dict:
     """Export src to dst in one format (runs inside the measuring subprocess)."""
-    from llmq.export import write_hf_quantized_checkpoint
+    from llmq.export import ShardWriter, write_hf_quantized_checkpoint
 
+    if fmt == "io":  # read + write through the same shard writer, no quantization
+        start, n = time.perf_counter(), 0
+        os.makedirs(dst, exist_ok=True)
+        shards = ShardWriter(dst, max_shard_bytes)
+        for name, t in iter_folder(src):
+            shards.add(name, t)
+            n += t.numel() * t.element_size()
+        shards.close()
+        seconds = time.perf_counter() - start
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return {"format": fmt, "style": style, "input_bytes": n, "output_bytes": n, "seconds": seconds, "gb_per_s": n / seconds / 1e9, "peak_rss_bytes": rss}
     config = {"fp8": {"format": "fp8", "granularity": "channel"}, "fp8_block": {"format": "fp8", "granularity": "block128"}, "nvfp4": {"format": "nvfp4"}, "mxfp4": {"format": "mxfp4"}}[fmt]
     recipe = lambda fqn: config
     start = time.perf_counter()
@@ -87,11 +100,11 @@ def run_one(src: str, dst: str, fmt: str, style: str, max_shard_bytes: int = 512
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size-gb", type=float, default=2.0, help="synthetic checkpoint size in GB of bf16")
-    ap.add_argument("--formats", default="nvfp4,fp8", help="comma list of nvfp4, fp8, fp8_block, mxfp4")
+    ap.add_argument("--formats", default="nvfp4,fp8", help="comma list of io, nvfp4, fp8, fp8_block, mxfp4 (io: read + write, no quantization)")
     ap.add_argument("--style", default="modelopt", choices=["modelopt", "compressed-tensors"])
     ap.add_argument("--workdir", default=None, help="scratch folder (default: a temporary one, removed afterwards)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads in the export (0 = torch default)")
-    ap.add_argument("--max-shard-mb", type=int, default=512, help="output shard size; the shard buffer bounds peak memory")
+    ap.add_argument("--max-shard-mb", type=int, default=512, help="output shard size")
     ap.add_argument("--_child", nargs=4, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args._child:

@@ -1,40 +1,37 @@
 """Sharded safetensors output for the HF writers.
 
-Tensors are buffered until a shard is full, then written with one `save_shard` call, so
-memory stays bounded by the shard size. Shards get their final Hugging Face names
-(model-0000i-of-0000N.safetensors, or model.safetensors when there is one) and an
-index.json when the writer closes. A journal (progress.json) lists the completed shards, so
-an interrupted export can resume: `ShardWriter.resume` reloads it and `has(name)` tells the
-caller which tensors need not be produced again. `save_shard` is the single point where the bytes are
-written, so the bundle writer (llmq.checkpoint) can replace it.
+Tensors are written as they arrive, one at a time, into the open shard's file
+(llmq.checkpoint.shard_file.StreamingShardFile: data after a reserved header gap, header
+last), so memory holds only the tensor in flight whatever the shard size. A shard is closed
+when the next tensor would pass `max_shard_bytes` (or break natural alignment, or outgrow the
+header gap). Shards get their final Hugging Face names (model-0000i-of-0000N.safetensors, or
+model.safetensors when there is one) and an index.json when the writer closes. A journal
+(progress.json) lists the completed shards, so an interrupted export can resume:
+`ShardWriter.resume` reloads it and `has(name)` tells the caller which tensors need not be
+produced again.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from typing import Callable, Dict, List, Mapping, Optional
+from typing import Dict, List, Optional
 
 import torch
-from safetensors.torch import save_file
 
-
-def save_shard(path: str, tensors: Mapping[str, torch.Tensor], metadata: Optional[Dict[str, str]] = None) -> None:
-    """Write one safetensors file (the swappable low-level step)."""
-    save_file({k: v.contiguous() for k, v in tensors.items()}, path, metadata=metadata or {"format": "pt"})
+from llmq.checkpoint.shard_file import StreamingShardFile, header_reserve
 
 
 class ShardWriter:
     """Collects (name, tensor) pairs into size-limited safetensors shards in `folder`."""
 
-    def __init__(self, folder: str, max_shard_bytes: int = 5 << 30, saver: Callable = save_shard):
+    def __init__(self, folder: str, max_shard_bytes: int = 5 << 30):
         if max_shard_bytes <= 0:
             raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
         self.folder = folder
         self.max_shard_bytes = max_shard_bytes
-        self.saver = saver
-        self._buffer: Dict[str, torch.Tensor] = {}
-        self._buffer_bytes = 0
+        self._reserve = header_reserve(max_shard_bytes)
+        self._open: Optional[StreamingShardFile] = None
         self._shards: List[Dict[str, int]] = []  # per shard: name -> nbytes
         self._seen = set()
         self._done = set()  # names in shards completed by an earlier, interrupted run
@@ -44,9 +41,9 @@ class ShardWriter:
     JOURNAL = "progress.json"
 
     @classmethod
-    def resume(cls, folder: str, max_shard_bytes: int, saver: Callable = save_shard) -> "ShardWriter":
+    def resume(cls, folder: str, max_shard_bytes: int) -> "ShardWriter":
         """A writer that continues the shards journalled in `folder` (fresh if there is none)."""
-        writer = cls(folder, max_shard_bytes, saver)
+        writer = cls(folder, max_shard_bytes)
         path = os.path.join(folder, cls.JOURNAL)
         if not os.path.exists(path):
             return writer
@@ -78,22 +75,21 @@ class ShardWriter:
         if name in self._seen:
             raise ValueError(f"tensor {name!r} written twice")
         self._seen.add(name)
-        nbytes = tensor.numel() * tensor.element_size()
-        if self._buffer and self._buffer_bytes + nbytes > self.max_shard_bytes:
+        if self._open is not None and not self._open.fits(name, tensor, self.max_shard_bytes):
             self._flush()
-        self._buffer[name] = tensor
-        self._buffer_bytes += nbytes
-        self.total_bytes += nbytes
+        if self._open is None:
+            self._open = StreamingShardFile(self._shard_path(len(self._shards)) + ".part", self._reserve)
+        self._open.add(name, tensor)
+        self.total_bytes += tensor.numel() * tensor.element_size()
 
     def _flush(self) -> None:
-        if not self._buffer:
+        shard, self._open = self._open, None
+        if shard is None or not len(shard):
             return
         index = len(self._shards)
-        partial = self._shard_path(index) + ".part"
-        self.saver(partial, self._buffer)
-        os.replace(partial, self._shard_path(index))  # a shard is either complete or absent
-        self._shards.append({k: v.numel() * v.element_size() for k, v in self._buffer.items()})
-        self._buffer, self._buffer_bytes = {}, 0
+        shard.close()
+        os.replace(shard.path, self._shard_path(index))  # a shard is either complete or absent
+        self._shards.append(dict(shard.sizes))
         journal = os.path.join(self.folder, self.JOURNAL)
         with open(journal + ".part", "w") as f:
             json.dump({"max_shard_bytes": self.max_shard_bytes, "shards": self._shards}, f)

@@ -15,6 +15,7 @@ from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from llmq.quant import _native_fp
 from llmq.quant.fp import FP8_BLOCK, FP8_GRANULARITIES, fp8_granularity_for
 
 STYLES = ("modelopt", "compressed-tensors")
@@ -237,8 +238,10 @@ def compute_export_state(weight: torch.Tensor, spec: WeightExportSpec, input_ama
     """Measure the state one export needs from a float weight ([N, K] or stacked [E, N, K])."""
     amax = None
     if needs_tensor_amax(spec):
-        x = weight.detach().abs()  # exact in the weight's own dtype; one float32 copy saved
-        amax = (x.amax(dim=(-2, -1)) if x.dim() == 3 else x.amax()).float()
+        amax = _native_fp.abs_max(weight, per_expert=True)  # compiled, no copy; None: torch below
+        if amax is None:
+            x = weight.detach().abs()  # exact in the weight's own dtype; one float32 copy saved
+            amax = (x.amax(dim=(-2, -1)) if x.dim() == 3 else x.amax()).float()
     ia = None
     if spec.static_input_scale:
         if input_amax is None:

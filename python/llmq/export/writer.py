@@ -9,7 +9,8 @@ unchanged and any unquantized 2-D weight's module is listed as excluded (embeddi
 lm_head, routers...). Fused siblings (q/k/v, gate/up) in a format with a tensor-level scale
 (NVFP4, per-tensor FP8) are held until the group is complete and share one global scale.
 
-Memory: one input tensor plus at most one sibling group plus one shard buffer. The folder is
+Memory: one input tensor plus at most one sibling group plus their outputs (shards are
+streamed to disk tensor by tensor, llmq.export.shards). The folder is
 built under a temporary name (``.<name>.partial``) and renamed into place only when complete;
 completed shards are journalled so an interrupted run can resume (resume=True).
 """
@@ -115,9 +116,8 @@ class _Exporter:
             self.shards.add(name, t)
 
     def pass_through(self, name: str, tensor: torch.Tensor) -> None:
-        # Copy: a tensor from a memory-mapped reader keeps its whole file mapped (and its pages
-        # resident) for as long as the shard buffer holds it.
-        self.shards.add(name, None if self.shards.has(name) else tensor.clone())
+        # Written to the shard file at once, so no reference (and no mapping of the input) is kept.
+        self.shards.add(name, None if self.shards.has(name) else tensor)
 
     # ---- one input tensor ---------------------------------------------------------------
 

@@ -42,6 +42,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from llmq.quant import _native_fp
+
 FP8_E4M3_MAX = 448.0
 FP4_E2M1_MAX = 6.0
 MX_BLOCK = 32
@@ -262,6 +264,9 @@ def quantize_fp8(w: torch.Tensor, granularity: str = "tensor", *, name: str = "<
     `scale` overrides the computed one (e.g. a scale shared by fused q/k/v siblings); it must
     have the granularity's shape and be positive.
     """
+    native = _native_fp.quantize_fp8(w, granularity, scale)  # same bytes, compiled; None: use the reference below
+    if native is not None:
+        return FP8Weight(data=native[0], scale=native[1], granularity=granularity, dtype=w.dtype)
     if granularity not in FP8_GRANULARITIES:
         raise ValueError(f"{name}: FP8 granularity {granularity!r} unknown; expected one of {FP8_GRANULARITIES}")
     _check_input(w, name, FP8_BLOCK if granularity == "block128" else 1, f"FP8 {granularity}")
@@ -314,6 +319,9 @@ def _check_scale(scale: torch.Tensor, expect: Tuple[int, ...], name: str) -> tor
 
 def quantize_mx(w: torch.Tensor, fmt: str, *, name: str = "<tensor>") -> MXWeight:
     """MXFP4 / MXFP8: E8M0 scale 2**ceil(log2(amax/Emax)) per 32 elements along K."""
+    native = _native_fp.quantize_mx(w, fmt)  # same bytes, compiled; None: use the reference below
+    if native is not None:
+        return MXWeight(codes=native[0], scale_e8m0=native[1], fmt=fmt, shape=tuple(w.shape), dtype=w.dtype)
     if fmt not in MX_FORMATS:
         raise ValueError(f"{name}: MX format {fmt!r} unknown; expected one of {MX_FORMATS}")
     _check_input(w, name, MX_BLOCK, fmt.upper())
@@ -342,6 +350,10 @@ def nvfp4_global_scale(w: torch.Tensor) -> torch.Tensor:
 def quantize_nvfp4(w: torch.Tensor, *, name: str = "<tensor>", global_scale: Optional[torch.Tensor] = None) -> NVFP4Weight:
     """NVFP4 by ModelOpt's rule. `global_scale` overrides g (fused siblings share one, the
     max of their own); blocks whose scale would exceed 448 are clamped, never NaN."""
+    native = _native_fp.quantize_nvfp4(w, global_scale)  # same bytes, compiled; None: use the reference below
+    if native is not None:
+        codes, block_scale, g = native
+        return NVFP4Weight(codes=codes, block_scale=block_scale, global_scale=g, shape=tuple(w.shape), dtype=w.dtype)
     _check_input(w, name, NVFP4_BLOCK, "NVFP4")
     g = nvfp4_global_scale(w) if global_scale is None else _check_scale(global_scale, tuple(w.shape[:-2]), name)
     k = w.shape[-1]

@@ -1,0 +1,139 @@
+"""Compiled fast path for the FP quantizers in `llmq.quant.fp` (the same extension as
+`_native`, //cpp/quant:_quant_kernel.so, functions quantize_fp8 / quantize_mx / quantize_nvfp4).
+
+The kernel reproduces fp.py's torch reference bit for bit (cpp/quant/fp_quant.h), so using it
+or not changes speed only. Each function returns the raw output tensors, or None whenever the
+kernel is not loaded or the input is anything but the plain case (a contiguous-able CPU float
+tensor of 1-3 dims, block-aligned, valid override scales) or holds a NaN/Inf: the caller then
+runs its reference path, which raises the exact error message.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from llmq.quant import _native
+
+_INPUT_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def _plain(w, block: int) -> bool:
+    return (
+        isinstance(w, torch.Tensor)
+        and _native.applicable(w)
+        and 1 <= w.dim() <= 3
+        and w.numel() > 0
+        and w.shape[-1] % block == 0
+    )
+
+
+def _override(scale, expect: Tuple[int, ...]) -> Optional[torch.Tensor]:
+    """A caller-given scale as the reference keeps it (float32, contiguous), or None if it is
+    not one the reference would accept."""
+    try:
+        scale = torch.as_tensor(scale, dtype=torch.float32)
+    except (TypeError, ValueError, RuntimeError):
+        return None
+    if scale.device.type != "cpu" or tuple(scale.shape) != expect or not bool((torch.isfinite(scale) & (scale > 0)).all()):
+        return None
+    return scale.contiguous()
+
+
+def _rows(w: torch.Tensor) -> torch.Tensor:
+    w = w.detach()
+    return w.reshape(-1, w.shape[-1]).contiguous()
+
+
+def quantize_fp8(w, granularity: str, scale=None, *, threads: Optional[int] = None, isa: str = "auto"):
+    """(data float8_e4m3fn shaped like w, scale float32) as fp.quantize_fp8, or None."""
+    m = _native._load()
+    block = 128 if granularity == "block128" else 1
+    if m is None or granularity not in ("tensor", "channel", "block128") or not _plain(w, block):
+        return None
+    shape = tuple(w.shape)
+    if granularity == "tensor":
+        expect = shape[:-2]
+        rows_per_scale = shape[-2] if len(shape) == 3 else (shape[0] if len(shape) == 2 else 1)
+    elif granularity == "channel":
+        expect, rows_per_scale = shape[:-1] + (1,), 1
+    else:
+        if len(shape) < 2 or shape[-2] % 128:
+            return None
+        expect, rows_per_scale = shape[:-2] + (shape[-2] // 128, shape[-1] // 128), 1
+    compute = scale is None
+    if compute:
+        scale = torch.empty(expect, dtype=torch.float32)
+    else:
+        scale = _override(scale, expect)
+        if scale is None:
+            return None
+    rows = _rows(w)
+    out = torch.empty(rows.shape, dtype=torch.uint8)
+    status = m.quantize_fp8(
+        rows.data_ptr(), _INPUT_NAMES[rows.dtype], rows.shape[0], rows.shape[1], granularity, rows_per_scale,
+        compute, scale.data_ptr(), out.data_ptr(), _threads(threads), isa,
+    )
+    return (out.view(torch.float8_e4m3fn).reshape(shape), scale) if status == "ok" else None
+
+
+def quantize_mx(w, fmt: str, *, threads: Optional[int] = None, isa: str = "auto"):
+    """(codes uint8, scale_e8m0 uint8) shaped as fp.quantize_mx's, or None."""
+    m = _native._load()
+    if m is None or fmt not in ("mxfp4", "mxfp8") or not _plain(w, 32):
+        return None
+    lead, k = tuple(w.shape[:-1]), w.shape[-1]
+    fp4 = fmt == "mxfp4"
+    rows = _rows(w)
+    codes = torch.empty(lead + (k // 2 if fp4 else k,), dtype=torch.uint8)
+    scales = torch.empty(lead + (k // 32,), dtype=torch.uint8)
+    status = m.quantize_mx(
+        rows.data_ptr(), _INPUT_NAMES[rows.dtype], rows.shape[0], k, fp4, codes.data_ptr(), scales.data_ptr(),
+        _threads(threads), isa,
+    )
+    return (codes, scales) if status == "ok" else None
+
+
+def quantize_nvfp4(w, global_scale=None, *, threads: Optional[int] = None, isa: str = "auto"):
+    """(codes uint8, block_scale float8_e4m3fn, global_scale float32) as fp.quantize_nvfp4's, or None."""
+    m = _native._load()
+    if m is None or not _plain(w, 16):
+        return None
+    shape = tuple(w.shape)
+    lead, k = shape[:-1], shape[-1]
+    expect = shape[:-2]
+    compute = global_scale is None
+    if compute:
+        g = torch.empty(expect, dtype=torch.float32)
+    else:
+        g = _override(global_scale, expect)
+        if g is None:
+            return None
+    rows = _rows(w)
+    codes = torch.empty(lead + (k // 2,), dtype=torch.uint8)
+    block_scale = torch.empty(lead + (k // 16,), dtype=torch.uint8)
+    rows_per_global = rows.shape[0] // max(1, g.numel())
+    status = m.quantize_nvfp4(
+        rows.data_ptr(), _INPUT_NAMES[rows.dtype], rows.shape[0], k, rows_per_global, compute, g.data_ptr(),
+        codes.data_ptr(), block_scale.data_ptr(), _threads(threads), isa,
+    )
+    return (codes, block_scale.view(torch.float8_e4m3fn), g) if status == "ok" else None
+
+
+def abs_max(w, per_expert: bool, *, threads: Optional[int] = None, isa: str = "auto") -> Optional[torch.Tensor]:
+    """float32 max |w| (one per expert of a 3-D w when per_expert, else a 0-dim tensor), equal
+    to torch's w.abs().amax(...).float() without its full-size copy; None as above."""
+    m = _native._load()
+    if m is None or not _plain(w, 1):
+        return None
+    rows = _rows(w)
+    shape = (w.shape[0],) if per_expert and w.dim() == 3 else ()
+    amax = torch.empty(shape, dtype=torch.float32)
+    status = m.abs_max(rows.data_ptr(), _INPUT_NAMES[rows.dtype], rows.shape[0], rows.shape[1],
+                       rows.shape[0] // max(1, amax.numel()), amax.data_ptr(), _threads(threads), isa)
+    return amax if status == "ok" else None
+
+
+def _threads(threads: Optional[int]) -> int:
+    return _native.get_num_threads() if threads is None else threads
