@@ -32,6 +32,18 @@ print(json.dumps(info))
 """
 
 def _main_workspace(ctx):
+    """The main workspace's folder: as Bazel finds it, the nearest folder above the client's
+    working directory ($PWD) holding a WORKSPACE file (a label of the main workspace would need
+    a BUILD file at its root, which a consumer need not have)."""
+    pwd = ctx.os.environ.get("PWD", "")
+    if pwd.startswith("/"):
+        d = ctx.path(pwd)
+        for _ in range(pwd.count("/")):
+            if d.get_child("WORKSPACE").exists or d.get_child("WORKSPACE.bazel").exists:
+                return d
+            if d.dirname == None:
+                break
+            d = d.dirname
     return ctx.path(Label("@//:WORKSPACE")).dirname
 
 def find_python(ctx):
