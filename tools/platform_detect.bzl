@@ -6,6 +6,8 @@ the runtime such a test is SKIPPED by `bazel test //...` (incompatible), never f
 never silently passed. Override with LLMQ_FORCE_CUDA=0/1 or LLMQ_FORCE_MLX=0/1.
 """
 
+load(":local_python.bzl", "ENV_VAR", "find_python")
+
 def _has_cuda(ctx):
     forced = ctx.os.environ.get("LLMQ_FORCE_CUDA")
     if forced != None:
@@ -21,15 +23,12 @@ def _has_mlx(ctx, python):
     forced = ctx.os.environ.get("LLMQ_FORCE_MLX")
     if forced != None:
         return forced == "1"
-    if not python.exists:
-        return False
-    res = ctx.execute([str(python), "-c", "import mlx.core as mx; mx.eval(mx.ones(2) + 1)"], timeout = 120)
+    res = ctx.execute([python, "-c", "import mlx.core as mx; mx.eval(mx.ones(2) + 1)"], timeout = 120)
     return res.return_code == 0
 
 def _llmq_platform_impl(ctx):
-    workspace = ctx.path(Label("//:WORKSPACE")).dirname
     ctx.read(Label("//:requirements_lock.txt"))
-    python = workspace.get_child(".venv").get_child("bin").get_child("python3")
+    python, _ = find_python(ctx)  # the interpreter local_python uses
     cuda = _has_cuda(ctx)
     mlx = _has_mlx(ctx, python)
     ctx.file("BUILD.bazel", """
@@ -51,5 +50,8 @@ constraint_value(name = "mlx_absent", constraint_setting = ":mlx")
 llmq_platform = repository_rule(
     implementation = _llmq_platform_impl,
     local = True,
-    environ = ["LLMQ_FORCE_CUDA", "LLMQ_FORCE_MLX", "LLMQ_VENV_STAMP"],
+    attrs = {
+        "python_interpreter": attr.string(doc = "As local_python's attribute (MLX is probed with it)."),
+    },
+    environ = ["LLMQ_FORCE_CUDA", "LLMQ_FORCE_MLX", "LLMQ_VENV_STAMP", ENV_VAR],
 )

@@ -1,0 +1,1 @@
+../moe_kernel_test.cc
