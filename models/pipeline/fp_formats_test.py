@@ -69,7 +69,9 @@ def test_backends_without_fp_refuse_before_any_work(tmp_path, backend):
 
 def test_cli_refusal_is_one_line_exit_2(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    proc = subprocess.run([sys.executable, "-m", "models.qwen.quantize_and_save", "--backend=mlx",
+    main = ("from models.pipeline.quantize_and_save import main_for; "  # what models/qwen/quantize_and_save.py runs
+            "from models.qwen.pipeline import ARCHITECTURE; main_for(ARCHITECTURE)")
+    proc = subprocess.run([sys.executable, "-c", main, "--backend=mlx",
                            f"--recipe={recipe_file(tmp_path, 'fp8')}", f"--out={tmp_path / 'out'}"],
                           capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 2, proc.stderr
