@@ -155,7 +155,7 @@ def test_reads_in_file_order_without_dequantizing(gguf_file, monkeypatch):
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 7, 8])
 def test_swar_pack_equals_canonical_pack_bits(bits):
-    from llmq.checkpoint.gguf_import import swar_pack
+    from llmq.quant.formats.gguf_blocks import swar_pack
     from llmq.quant.formats import pack_bits
 
     q = torch.randint(0, 2 ** bits, (3, 5, 64), generator=torch.Generator().manual_seed(bits), dtype=torch.uint8)

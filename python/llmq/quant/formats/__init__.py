@@ -34,12 +34,14 @@ from llmq.quant.formats.int_affine import (
 from llmq.quant.formats.fp8 import FP8Format
 from llmq.quant.formats.mx import MXFormat
 from llmq.quant.formats.nvfp4 import NVFP4Format
+from llmq.quant.formats.gguf_blocks import GGUFBlockFormat
 
 # The registrations: one line per family.
 register_format(IntAffineFormat())
 register_format(FP8Format())
 register_format(MXFormat())
 register_format(NVFP4Format())
+register_format(GGUFBlockFormat())
 
 __all__ = [
     "Format", "register_format", "get_format", "format_of", "format_names", "is_quantized", "nbytes_of",
