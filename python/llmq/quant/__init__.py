@@ -1,5 +1,6 @@
-"""llmq.quant: recipes, weight quantization into the canonical group-wise integer form,
-model / stream application, and exact converters at the edges (docs/formats.md).
+"""llmq.quant: the format registry (llmq.quant.formats), recipes, weight quantization into the
+canonical group-wise integer form and the floating-point formats, model / stream application,
+and exact converters at the edges (docs/formats.md).
 
 The torchao converters (`to_torchao`, `from_torchao`) are imported on first use, so that
 `import llmq.quant` does not import torchao.
