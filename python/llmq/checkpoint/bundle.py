@@ -201,9 +201,10 @@ def _record_format(rec: Dict[str, Any]) -> Optional[Format]:
     kind = rec.get("kind")
     if kind == "quantized":
         try:
-            return get_format(rec.get("format"))
+            fmt = get_format(rec.get("format"))
         except ValueError:
             return None
+        return fmt if fmt.can_quantize else None  # import-only families (GGUF blocks) are never stored
     for name in format_names():
         fmt = get_format(name)
         if kind is not None and getattr(fmt, "bundle_kind", None) == kind:

@@ -128,9 +128,10 @@ def test_fp_record_in_a_version_2_manifest_is_refused(tmp_path):
 
 def test_unknown_format_and_newer_version_are_refused(tmp_path):
     out = save_bundle(quantized_stream(CONFIGS["mxfp4"]), tmp_path / "b", fsync=False)
-    edit_manifest(out, lambda m: m["tensors"]["model.layers.0.mlp.down_proj.weight"].update(format="mxfp3"))
-    with pytest.raises(CorruptCheckpointError, match="bad tensor record"):
-        load_bundle(out)
+    for bad in ("mxfp3", "Q4_K"):  # unknown, and import-only (never stored)
+        edit_manifest(out, lambda m: m["tensors"]["model.layers.0.mlp.down_proj.weight"].update(format=bad))
+        with pytest.raises(CorruptCheckpointError, match="bad tensor record"):
+            load_bundle(out)
     out2 = save_bundle(quantized_stream(CONFIGS["mxfp4"]), tmp_path / "c", fsync=False)
     edit_manifest(out2, lambda m: m.update(format_version=BUNDLE_VERSION + 1))
     with pytest.raises(BundleVersionError, match="newer"):
