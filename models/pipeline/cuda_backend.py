@@ -18,6 +18,9 @@ import torch
 from llmq.quant import GroupQuantizedWeight, pack_bits
 from llmq_cuda import TINYGEMM_INNER_K_TILES, TinygemmInt4Weight, pack_tinygemm_int4, unpack_tinygemm_int4
 
+# Formats a recipe may use with --backend=cuda (checked before any work): tinygemm packs integer weights.
+ACCEPTS_FORMATS = ("int",)
+
 _SUFFIXES = (".tinygemm_qdata", ".tinygemm_scale_and_zero", ".tinygemm_shape")
 
 

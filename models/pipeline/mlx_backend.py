@@ -23,6 +23,9 @@ from models.pipeline.report import verification_prompt
 
 Value = Union[torch.Tensor, GroupQuantizedWeight]
 
+# Formats a recipe may use with --backend=mlx (checked before any work): MLX affine weights are integer.
+ACCEPTS_FORMATS = ("int",)
+
 # Files mlx-lm's tokenizer loader may read; copied through from a real checkpoint when present.
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "tokenizer.model",

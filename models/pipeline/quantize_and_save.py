@@ -19,7 +19,8 @@ import torch
 from absl import app, flags
 
 from llmq.checkpoint import CheckpointError, checkpoint_names, iter_checkpoint, load_bundle, save_bundle
-from llmq.quant import GroupQuantizedWeight, QuantRecipe, load_recipe, quantize_stream, register_preset
+from llmq.quant import QuantRecipe, is_quantized, load_recipe, quantize_stream, register_preset
+from llmq.quant.formats import nbytes_of
 from models.pipeline import gguf_input
 from models.pipeline.arch import Architecture, quantizable_module
 from models.pipeline.default_model import write_default_checkpoint
@@ -57,22 +58,16 @@ class _Tally:
     def __init__(self):
         self.tensors = self.quantized = self.bytes_in = self.bytes_out = 0
 
-    @staticmethod
-    def _nbytes(value) -> int:
-        if isinstance(value, GroupQuantizedWeight):
-            return value.nbytes
-        return value.numel() * value.element_size()
-
     def before(self, items):
         for name, value in items:
-            self.bytes_in += self._nbytes(value)
+            self.bytes_in += nbytes_of(value)
             yield name, value
 
     def after(self, items):
         for name, value in items:
             self.tensors += 1
-            self.quantized += isinstance(value, GroupQuantizedWeight)
-            self.bytes_out += self._nbytes(value)
+            self.quantized += is_quantized(value)
+            self.bytes_out += nbytes_of(value)
             yield name, value
 
 
@@ -114,6 +109,7 @@ def run(arch: Architecture, *, checkpoint: Optional[str], recipe: Optional[str],
     recipe_name = recipe or arch.default_recipe
     try:
         quant_recipe: QuantRecipe = load_recipe(recipe_name)
+        quant_recipe.check_formats(_backend_formats(backend), f"--backend {backend}")  # before any work
     except ValueError as e:
         raise UsageError(str(e)) from None
 
@@ -252,6 +248,19 @@ def run(arch: Architecture, *, checkpoint: Optional[str], recipe: Optional[str],
         if embedded:
             print("[embedded default] pass --checkpoint=<HF folder> to quantize a real model")
         return result
+
+
+# The module of each terminal packer; each declares ACCEPTS_FORMATS (the bundle: every registered format).
+_BACKEND_MODULES = {"bundle": "models.pipeline.bundle_backend", "cuda": "models.pipeline.cuda_backend",
+                    "mlx": "models.pipeline.mlx_backend"}
+
+
+def _backend_formats(backend: str):
+    import importlib
+
+    if backend not in _BACKEND_MODULES:
+        raise UsageError(f"--backend {backend!r} unknown; expected one of {', '.join(_BACKEND_MODULES)}")
+    return importlib.import_module(_BACKEND_MODULES[backend]).ACCEPTS_FORMATS
 
 
 def _keep(items, into: Dict):

@@ -3,7 +3,8 @@
 The model is built on the meta device; each quantized weight swaps its module for one that
 holds the canonical fields (QuantizedLinear / QuantizedEmbedding / QuantizedExperts) and
 dequantizes inside forward; every other tensor is assigned as is. Anything the model expects
-that the tensors do not provide is named in the error.
+that the tensors do not provide is named in the error. Weights of a format no quantized module
+holds (the floating-point ones) are dequantized exactly to the dtype they were quantized from.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmq.quant import GroupQuantizedWeight, QuantizedEmbedding, QuantizedLinear
+from llmq.quant import GroupQuantizedWeight, QuantizedEmbedding, QuantizedLinear, dequantize, format_of
 from llmq.quant.modules import dequantize_graph
 
 Value = Union[torch.Tensor, GroupQuantizedWeight]
@@ -83,6 +84,9 @@ def build_quantized_model(model: nn.Module, tensors: Dict[str, Value]) -> nn.Mod
     dense: Dict[str, torch.Tensor] = {}
     experts: Dict[str, Dict[str, Value]] = {}
     for name, value in tensors.items():
+        fmt = format_of(value)
+        if fmt is not None and not fmt.has_quantized_module:
+            value = dequantize(value)  # no module holds this format: its exact values, in the weight's dtype
         if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
             path, _, part = name.rpartition(".")
             experts.setdefault(path, {})[part] = value

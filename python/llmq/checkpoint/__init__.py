@@ -7,6 +7,7 @@ Public API (see docs/checkpoint.md):
 """
 
 from llmq.checkpoint.bundle import (
+    BASE_BUNDLE_VERSION,
     BUNDLE_VERSION,
     BundleWriter,
     iter_bundle,
@@ -30,6 +31,7 @@ from llmq.checkpoint.gguf_import import read_gguf_metadata
 from llmq.checkpoint.reader import LoadResult, checkpoint_names, iter_checkpoint, load_checkpoint
 
 __all__ = [
+    "BASE_BUNDLE_VERSION",
     "BUNDLE_VERSION",
     "BundleVersionError",
     "BundleWriter",

@@ -58,15 +58,20 @@ from llmq.checkpoint.safetensors_io import (
     entry_fragment_size,
     header_json_size,
 )
-from llmq.quant.formats import GroupQuantizedWeight
+from llmq.quant.formats import Format, format_of, format_names, get_format
 
-Value = Union[torch.Tensor, GroupQuantizedWeight]
+Value = Any  # a torch.Tensor or a quantized weight of any registered format (llmq.quant.formats)
 
 BUNDLE_FORMAT = "llmq.bundle"
-BUNDLE_VERSION = 2
-READABLE_VERSIONS = (1, 2)  # every version this project has ever written
-# The one difference between the versions: the per-shard checksum (whole file, hex).
-CHECKSUM_KEY = {1: "sha256", 2: "blake3"}
+BUNDLE_VERSION = 3  # the newest version this writer produces
+# A bundle is written with the lowest version that can hold it: 2 unless a record is of kind
+# "quantized" (a format family without a legacy record: fp8, mxfp4, mxfp8, nvfp4), so
+# bundles of dense and integer weights are byte-identical to what version-2 writers wrote.
+BASE_BUNDLE_VERSION = 2
+READABLE_VERSIONS = (1, 2, 3)  # every version this project has ever written
+# The per-shard checksum (whole file, hex); versions 1 -> 2 differ only in it, 2 -> 3 add "quantized" records.
+CHECKSUM_KEY = {1: "sha256", 2: "blake3", 3: "blake3"}
+_JOURNAL_VERSION = 2  # resume journals (private to one writer) kept at their version-2 layout
 MANIFEST = "llmq_manifest.json"
 INDEX = "model.safetensors.index.json"
 JOURNAL = "journal.json"
@@ -82,7 +87,6 @@ DEFAULT_WRITE_QUEUE_BYTES = 64 * 1024 * 1024  # tensor bytes queued for the writ
 # all at the end (the kernel alone would start only at dirty_background_ratio, GBs later).
 _FLUSH_EVERY = 128 * 1024 * 1024
 _MAX_WRITE = 1 << 30  # Linux writes at most 0x7ffff000 bytes per call; longer writes loop
-_QUANT_PARTS = ("qdata", "scale", "bias")
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -163,22 +167,53 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
 
 
 def _describe(fqn: str, value: Value) -> Tuple[Dict[str, Any], List[Tuple[str, torch.Tensor]]]:
-    """The manifest record of one tensor and its (entry name, tensor) parts."""
-    if isinstance(value, GroupQuantizedWeight):
-        entries = {p: f"{fqn}.{p}" for p in _QUANT_PARTS}
-        record = {"kind": "group_quantized", "bits": value.bits, "group_size": value.group_size,
-                  "shape": list(value.shape), "dtype": _dtype_name(value.dtype), "entries": entries}
-        return record, [(entries[p], getattr(value, p)) for p in _QUANT_PARTS]
+    """The manifest record of one tensor and its (entry name, tensor) parts.
+
+    A quantized weight is described by its format (llmq.quant.formats): the tensors it stores
+    become entries ``<fqn>.<role>``; a family with a ``bundle_kind`` (the integer one) keeps its
+    flat version-2 record, every other one is ``{"kind": "quantized", "format", "params", ...}``."""
+    fmt = format_of(value)
+    if fmt is not None:
+        stored = fmt.stored(value)
+        entries = {role: f"{fqn}.{role}" for role in stored}
+        common = {"shape": list(fmt.shape_of(value)), "dtype": _dtype_name(value.dtype), "entries": entries}
+        kind = getattr(fmt, "bundle_kind", None)
+        if kind is not None:
+            record = {"kind": kind, **fmt.params(value), **common}
+        else:
+            record = {"kind": "quantized", "format": fmt.name_of(value), "params": fmt.params(value), **common}
+        return record, [(entries[role], t) for role, t in stored.items()]
     if isinstance(value, torch.Tensor):
         if value.dtype not in DTYPE_NAMES:
             raise TypeError(f"tensor {fqn!r}: dtype {value.dtype} cannot be stored in a bundle")
         if value.is_sparse or value.layout != torch.strided or type(value) not in (torch.Tensor, torch.nn.Parameter):
-            raise TypeError(f"tensor {fqn!r}: only plain dense tensors and GroupQuantizedWeight can be saved, "
-                            f"got {type(value).__name__} ({value.layout})")
+            raise TypeError(f"tensor {fqn!r}: only plain dense tensors and quantized weights of a registered format "
+                            f"can be saved, got {type(value).__name__} ({value.layout})")
         record = {"kind": "dense", "dtype": _dtype_name(value.dtype), "shape": list(value.shape),
                   "entries": {"data": fqn}}
         return record, [(fqn, value)]
-    raise TypeError(f"tensor {fqn!r}: expected torch.Tensor or GroupQuantizedWeight, got {type(value).__name__}")
+    raise TypeError(f"tensor {fqn!r}: expected torch.Tensor or a quantized weight of a registered format "
+                    f"({', '.join(format_names())}), got {type(value).__name__}")
+
+
+def _record_format(rec: Dict[str, Any]) -> Optional[Format]:
+    """The format a manifest record names (None for dense records or unknown names)."""
+    kind = rec.get("kind")
+    if kind == "quantized":
+        try:
+            fmt = get_format(rec.get("format"))
+        except ValueError:
+            return None
+        return fmt if fmt.can_quantize else None  # import-only families (GGUF blocks) are never stored
+    for name in format_names():
+        fmt = get_format(name)
+        if kind is not None and getattr(fmt, "bundle_kind", None) == kind:
+            return fmt
+    return None
+
+
+def _written_version(tensors: Dict[str, Dict[str, Any]]) -> int:
+    return BUNDLE_VERSION if any(r["kind"] == "quantized" for r in tensors.values()) else BASE_BUNDLE_VERSION
 
 
 def header_reserve(max_shard_bytes: int) -> int:
@@ -467,7 +502,7 @@ class BundleWriter:
                     journal = json.loads(f.read())
             except ValueError:
                 journal = None  # torn journal: start over
-        if (not resume or not isinstance(journal, dict) or journal.get("format_version") != BUNDLE_VERSION
+        if (not resume or not isinstance(journal, dict) or journal.get("format_version") != _JOURNAL_VERSION
                 or not isinstance(journal.get("shards"), list)):
             shutil.rmtree(self.partial)
             os.makedirs(self.partial)
@@ -498,7 +533,7 @@ class BundleWriter:
                 shutil.rmtree(full) if os.path.isdir(full) else os.unlink(full)
 
     def _journal(self) -> None:
-        data = {"format_version": BUNDLE_VERSION, "settings": self.settings, "shards": self.shards}
+        data = {"format_version": _JOURNAL_VERSION, "settings": self.settings, "shards": self.shards}
         _write_atomic(os.path.join(self.partial, JOURNAL), _canonical_json(data), fsync=self.fsync)
 
     def completed(self) -> List[str]:
@@ -601,7 +636,7 @@ class BundleWriter:
                     weight_map[entry] = shard["file"]
         manifest = {
             "format": BUNDLE_FORMAT,
-            "format_version": BUNDLE_VERSION,
+            "format_version": _written_version(tensors),
             "recipe": self.settings["recipe"],
             "metadata": self.settings["metadata"],
             "library_versions": _library_versions(),
@@ -734,7 +769,9 @@ def read_manifest(path: os.PathLike) -> Dict[str, Any]:
                                          path=mpath)
         names.add(s["file"])
     for fqn, rec in tensors.items():
-        if (not isinstance(rec, dict) or rec.get("kind") not in ("dense", "group_quantized")
+        if (not isinstance(rec, dict) or (rec.get("kind") != "dense" and _record_format(rec) is None)
+                or (rec.get("kind") == "quantized" and version < 3)
+                or (rec.get("kind") == "quantized" and not isinstance(rec.get("params"), dict))
                 or rec.get("shard") not in names or not isinstance(rec.get("entries"), dict)
                 or not isinstance(rec.get("shape"), list)):
             raise CorruptCheckpointError(f"bad tensor record {rec!r}"[:300], path=mpath, tensor=fqn)
@@ -756,11 +793,15 @@ def _to_value(fqn: str, rec: Dict[str, Any], f: SafetensorsFile, *, mpath: str) 
             raise TensorMismatchError(f"stored as {t.dtype} {list(t.shape)}, manifest says {dtype} {rec['shape']}",
                                       path=mpath, tensor=fqn)
         return t
+    fmt = _record_format(rec)
+    if rec["kind"] == "quantized":
+        name, params = rec["format"], rec["params"]
+    else:  # a family's flat legacy record (version 1/2 integer weights): its params are top-level fields
+        name, params = fmt.names[0], rec
     try:
-        return GroupQuantizedWeight(qdata=entry("qdata"), scale=entry("scale"), bias=entry("bias"),
-                                    bits=rec.get("bits"), group_size=rec.get("group_size"),
-                                    shape=tuple(rec["shape"]), dtype=dtype)
-    except (ValueError, TypeError) as e:
+        stored = {role: entry(role) for role in rec["entries"]}
+        return fmt.rebuild(name, params, tuple(rec["shape"]), dtype, stored)
+    except (ValueError, TypeError, KeyError) as e:
         if isinstance(e, CheckpointError):
             raise
         raise TensorMismatchError(f"stored parts disagree with the manifest: {e}", path=mpath, tensor=fqn) from None
@@ -773,15 +814,12 @@ def iter_bundle(path: os.PathLike, *, verify: Optional[bool] = None, output: str
     verify: check each shard's checksum (BLAKE3; SHA-256 in format 1) before its first tensor is read; None means
         "only if the bundle is at most 4 GiB". Shard sizes are always checked.
     output: "canonical" (torch.Tensor / GroupQuantizedWeight) or "torchao" (quantized
-        weights converted by llmq.quant.torchao_interop.to_torchao, for transformers'
+        weights converted by their format's to_torchao (the integer one: llmq.quant.torchao_interop), for transformers'
         TorchAoConfig / torchao.prototype.safetensors).
     names: only these fqns (all of them must exist).
     """
     if output not in ("canonical", "torchao"):
         raise ValueError(f"output must be 'canonical' or 'torchao', got {output!r}")
-    to_torchao = None
-    if output == "torchao":
-        from llmq.quant.torchao_interop import to_torchao  # lazy: torchao is optional here
     folder = os.fspath(path)
     manifest = read_manifest(folder)
     mpath = os.path.join(folder, MANIFEST)
@@ -806,10 +844,11 @@ def iter_bundle(path: os.PathLike, *, verify: Optional[bool] = None, output: str
                 current = _open_shard(folder, shards[rec["shard"]],
                                       CHECKSUM_KEY[manifest["format_version"]] if verify else None)
             value = _to_value(fqn, rec, current, mpath=mpath)
-            if to_torchao is not None and isinstance(value, GroupQuantizedWeight):
+            fmt = format_of(value) if output == "torchao" else None
+            if fmt is not None:
                 try:
-                    value = to_torchao(value)
-                except ValueError as e:
+                    value = fmt.to_torchao(value)
+                except (ValueError, NotImplementedError) as e:
                     raise UnsupportedCheckpointError(f"has no exact torchao form: {e}", path=folder,
                                                      tensor=fqn) from None
             yield fqn, value

@@ -155,7 +155,7 @@ def test_reads_in_file_order_without_dequantizing(gguf_file, monkeypatch):
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 7, 8])
 def test_swar_pack_equals_canonical_pack_bits(bits):
-    from llmq.checkpoint.gguf_import import swar_pack
+    from llmq.quant.formats.gguf_blocks import swar_pack
     from llmq.quant.formats import pack_bits
 
     q = torch.randint(0, 2 ** bits, (3, 5, 64), generator=torch.Generator().manual_seed(bits), dtype=torch.uint8)
@@ -191,7 +191,7 @@ def test_unknown_type_id_is_refused_clearly(tmp_path):
 @pytest.mark.parametrize("block_elements", [1, 700, 2048 + 256])
 def test_blockwise_dequantization_matches_gguf_py_across_block_edges(gguf_file, monkeypatch, block_elements):
     """Blocks of one row, of one row with a remainder, and of several rows with a partial last block."""
-    from llmq.quant import formats
+    from llmq.quant.formats import int_affine as formats
 
     monkeypatch.setattr(formats, "DEQUANT_BLOCK_ELEMENTS", block_elements)
     path, raws, _ = gguf_file
@@ -203,7 +203,7 @@ def test_blockwise_dequantization_matches_gguf_py_across_block_edges(gguf_file, 
 
 
 def test_blockwise_dequantization_touches_at_most_a_block_at_a_time(gguf_file, monkeypatch):
-    from llmq.quant import formats
+    from llmq.quant.formats import int_affine as formats
 
     seen = []
     unpack = formats.unpack_bits

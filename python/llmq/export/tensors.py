@@ -14,7 +14,7 @@ from typing import Dict, Mapping, Optional
 import torch
 
 from llmq.quant import fp
-from llmq.quant.formats import GroupQuantizedWeight, dequantize_canonical, pack_bits, unpack_bits
+from llmq.quant.formats import GroupQuantizedWeight, dequantize_canonical, format_of, pack_bits, unpack_bits
 from llmq.export.spec import ExportState, WeightExportSpec, compute_export_state
 
 
@@ -25,15 +25,10 @@ def _check_weight(weight, spec: WeightExportSpec) -> None:
         if spec.format == "int" and weight.dim() != 2:
             raise ValueError(f"{spec.module}: integer export takes 2-D weights; split stacked experts first (got shape {list(weight.shape)})")
         return
-    expected = {
-        "fp8": fp.FP8Weight,
-        "mxfp8": fp.MXWeight,
-        "mxfp4": fp.MXWeight,
-        "nvfp4": fp.NVFP4Weight,
-        "int": GroupQuantizedWeight,
-    }[spec.format]
-    if not isinstance(weight, expected) or (isinstance(weight, fp.MXWeight) and weight.fmt != spec.format):
-        raise ValueError(f"{spec.module}: spec says {spec.format}, got a {type(weight).__name__}{' ' + weight.fmt if isinstance(weight, fp.MXWeight) else ''}")
+    fmt = format_of(weight)  # the format registry names what a container holds
+    got = fmt.name_of(weight) if fmt is not None else None
+    if got != spec.format:
+        raise ValueError(f"{spec.module}: spec says {spec.format}, got a {type(weight).__name__}{' ' + got if got else ''}")
 
 
 def nvfp4_global_scale_from_amax(amax: torch.Tensor) -> torch.Tensor:

@@ -112,8 +112,13 @@ def _config_for(recipe_or_config, fqn: str) -> Optional[QuantConfig]:
     raise TypeError(f"expected a QuantRecipe or QuantConfig, got {type(recipe_or_config).__name__}")
 
 
+# What the fused MoE kernel takes (declared like a backend's ACCEPTS_FORMATS: docs/formats.md section 0).
+KERNEL_FORMATS = ("int",)
+KERNEL_BITS = (4, 8)
+
+
 def _check_kernel_config(cfg: QuantConfig, fqn: str) -> None:
-    if cfg.format != "int" or cfg.bits not in (4, 8):
+    if cfg.format not in KERNEL_FORMATS or cfg.bits not in KERNEL_BITS:
         raise ValueError(f"{fqn}: the MoE kernel takes INT4/INT8 group-wise weights, recipe gives "
                          f"format={cfg.format!r} bits={cfg.bits}")
 

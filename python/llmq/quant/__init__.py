@@ -1,12 +1,24 @@
-"""llmq.quant: recipes, weight quantization into the canonical group-wise integer form,
-model / stream application, and exact converters at the edges (docs/formats.md).
+"""llmq.quant: the format registry (llmq.quant.formats), recipes, weight quantization into the
+canonical group-wise integer form and the floating-point formats, model / stream application,
+and exact converters at the edges (docs/formats.md).
 
 The torchao converters (`to_torchao`, `from_torchao`) are imported on first use, so that
 `import llmq.quant` does not import torchao.
 """
 
 from llmq.quant._native import native_kernel_available
-from llmq.quant.formats import GroupQuantizedWeight, dequantize_canonical, pack_bits, unpack_bits
+from llmq.quant.formats import (
+    Format,
+    GroupQuantizedWeight,
+    dequantize_canonical,
+    format_names,
+    format_of,
+    get_format,
+    is_quantized,
+    pack_bits,
+    register_format,
+    unpack_bits,
+)
 from llmq.quant.fuse import fuse_along_output
 from llmq.quant.model import QuantizationReport, ReportEntry, quantize_model
 from llmq.quant.modules import QuantizedEmbedding, QuantizedLinear
@@ -41,6 +53,12 @@ __all__ = [
     "to_torchao",
     "from_torchao",
     "native_kernel_available",
+    "Format",
+    "register_format",
+    "get_format",
+    "format_of",
+    "format_names",
+    "is_quantized",
 ]
 
 

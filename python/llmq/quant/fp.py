@@ -438,13 +438,11 @@ def fp8_granularity_for(group_size: Optional[int]) -> str:
 
 def quantize_fp_weight(w: torch.Tensor, config, *, name: str = "<tensor>"):
     """Quantize w per a recipe config (anything with .format and .group_size; FP8 also reads
-    an optional .granularity). Returns FP8Weight, MXWeight or NVFP4Weight."""
+    an optional .granularity) through the format registry. Returns FP8Weight, MXWeight or
+    NVFP4Weight."""
     fmt = getattr(config, "format", None)
-    if fmt == "fp8":
-        granularity = getattr(config, "granularity", None) or fp8_granularity_for(getattr(config, "group_size", None))
-        return quantize_fp8(w, granularity, name=name)
-    if fmt in MX_FORMATS:
-        return quantize_mx(w, fmt, name=name)
-    if fmt == "nvfp4":
-        return quantize_nvfp4(w, name=name)
-    raise ValueError(f"{name}: format {fmt!r} is not a floating-point format; expected one of {FP_FORMATS}")
+    if fmt not in FP_FORMATS:
+        raise ValueError(f"{name}: format {fmt!r} is not a floating-point format; expected one of {FP_FORMATS}")
+    from llmq.quant.formats import get_format  # the registry imports this module
+
+    return get_format(fmt).quantize(w, config, name=name)

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmq.quant.formats import GroupQuantizedWeight, packed_row_bytes
+from llmq.quant.formats import GroupQuantizedWeight, get_format, packed_row_bytes
 from llmq.quant.quantize import quantize_weight
 from llmq.quant.recipe import QuantConfig
 
@@ -55,7 +55,7 @@ def dequantize_graph(qdata: torch.Tensor, scale: torch.Tensor, bias: torch.Tenso
 
 
 def _require_int(config: QuantConfig, name: str) -> None:
-    if config.format != "int":
+    if not get_format(config.format).has_quantized_module:
         raise NotImplementedError(f"{name}: no quantized module for format {config.format!r} yet (only 'int')")
 
 

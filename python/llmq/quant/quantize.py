@@ -26,7 +26,7 @@ from typing import Optional, Tuple
 import torch
 
 from llmq.quant import _native
-from llmq.quant.formats import GroupQuantizedWeight, dequantize_canonical, pack_bits
+from llmq.quant.formats import GroupQuantizedWeight, format_of, get_format, pack_bits
 from llmq.quant.recipe import INT_FORMAT, QuantConfig
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -129,16 +129,19 @@ def _quantize_rows(x: torch.Tensor, config: QuantConfig, gs: int, name: str):
     return pack_bits(q, bits), scale, bias
 
 
-def quantize_weight(w: torch.Tensor, config: QuantConfig, *, name: str = "<tensor>") -> GroupQuantizedWeight:
-    """Quantize a 1-D, 2-D [out, in] or 3-D [experts, out, in] float weight group-wise along
-    its last (input) dimension into the canonical GroupQuantizedWeight.
+def quantize_weight(w: torch.Tensor, config: QuantConfig, *, name: str = "<tensor>"):
+    """Quantize a 1-D, 2-D [out, in] or 3-D [experts, out, in] float weight along its last
+    (input) dimension into the container of ``config.format`` (looked up in the format
+    registry, llmq.quant.formats): a GroupQuantizedWeight for "int", FP8Weight, MXWeight or
+    NVFP4Weight for the floating-point formats."""
+    if not isinstance(config, QuantConfig):
+        raise ValueError(f"{name}: expected a QuantConfig, got {type(config).__name__}")
+    return get_format(config.format).quantize(w, config, name=name)
 
-    Floating-point formats (fp8, mxfp8, mxfp4, nvfp4) are handed to llmq.quant.fp, which
-    returns its own containers (a float code is not scale*q + bias with integer q)."""
-    if isinstance(config, QuantConfig) and config.format != INT_FORMAT:
-        from llmq.quant import fp  # imported on demand: integer-only users never need it
 
-        return fp.quantize_fp_weight(w, config, name=name)
+def quantize_int_weight(w: torch.Tensor, config: QuantConfig, *, name: str = "<tensor>") -> GroupQuantizedWeight:
+    """The "int" family's quantizer: group-wise along the last dimension into the canonical
+    GroupQuantizedWeight, through the compiled kernel when it applies (same bytes)."""
     gs = _check_weight(w, config, name)
     parts = None
     if _native.applicable(w):
@@ -189,9 +192,11 @@ def _assemble(w: torch.Tensor, config: QuantConfig, gs: int, parts) -> GroupQuan
     )
 
 
-def dequantize(qw: GroupQuantizedWeight, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """The float weight qw stands for: scale*q + bias, exact in float64 and rounded once to
-    float32 (then to `dtype`, default the dtype the weight was quantized from)."""
-    if not isinstance(qw, GroupQuantizedWeight):
-        raise ValueError(f"dequantize expects a GroupQuantizedWeight, got {type(qw).__name__}")
-    return dequantize_canonical(qw, qw.dtype if dtype is None else dtype)
+def dequantize(qw, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """The float weight a quantized weight of any registered format stands for, exact in
+    float32 (integer: scale*q + bias in float64, rounded once), then cast to `dtype` (default:
+    the dtype the weight was quantized from)."""
+    fmt = format_of(qw)
+    if fmt is None:
+        raise ValueError(f"dequantize expects a quantized weight (GroupQuantizedWeight, FP8Weight, MXWeight, NVFP4Weight, ...), got {type(qw).__name__}")
+    return fmt.dequantize(qw, qw.dtype if dtype is None else dtype)

@@ -18,21 +18,12 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from llmq.quant.formats import SUPPORTED_BITS
+from llmq.quant.formats import format_names, get_format
 
-# Formats the config knows about: "int" is the canonical group-wise integer form; the
-# floating-point formats are quantized by llmq.quant.fp (see quantize_weight).
+# The canonical group-wise integer format; every other name is looked up in the format
+# registry (llmq.quant.formats), which also validates each format's own fields.
 INT_FORMAT = "int"
-FORMATS = ("int", "fp8", "mxfp8", "mxfp4", "nvfp4")
 METHODS = ("minmax", "hqq")
-
-# Fixed (bits, group_size) of the microscaling formats; None = free.
-_FIXED_FORMAT_SHAPES = {
-    "fp8": (8, None),
-    "mxfp8": (8, 32),
-    "mxfp4": (4, 32),
-    "nvfp4": (4, 16),
-}
 
 _DTYPE_NAMES = {
     "float32": torch.float32,
@@ -77,36 +68,21 @@ class QuantConfig:
     scale_dtype: torch.dtype = torch.float32
 
     def __post_init__(self):
-        if self.format not in FORMATS:
-            raise ValueError(f"QuantConfig.format={self.format!r} unknown; expected one of {FORMATS}")
+        if not isinstance(self.format, str) or self.format not in format_names():
+            raise ValueError(f"QuantConfig.format={self.format!r} unknown; expected one of {format_names(quantizable=True)}")
+        fmt = get_format(self.format)
+        if not fmt.can_quantize:
+            raise ValueError(f"QuantConfig.format={self.format!r} is import-only; expected one of {format_names(quantizable=True)}")
         if not isinstance(self.bits, int) or isinstance(self.bits, bool):
             raise ValueError(f"QuantConfig.bits must be an int, got {self.bits!r}")
-        gs = self.group_size
-        if gs == -1:
+        if self.group_size == -1:
             object.__setattr__(self, "group_size", None)
-        elif self.format == "fp8":
-            if gs not in (None, 0, 128) or isinstance(gs, bool):
-                raise ValueError(f"QuantConfig.group_size={gs!r} unsupported for fp8; expected 0 (per tensor), -1/None (per channel) or 128 (128x128 blocks)")
-        elif gs is not None and (not isinstance(gs, int) or isinstance(gs, bool) or gs <= 0):
-            raise ValueError(f"QuantConfig.group_size must be a positive int, -1 or None (whole row), got {gs!r}")
         if not isinstance(self.symmetric, bool):
             raise ValueError(f"QuantConfig.symmetric must be a bool, got {self.symmetric!r}")
         if self.method not in METHODS:
             raise ValueError(f"QuantConfig.method={self.method!r} unknown; expected one of {METHODS}")
         object.__setattr__(self, "scale_dtype", _dtype_from_name(self.scale_dtype))
-        if self.format == INT_FORMAT:
-            if self.bits not in SUPPORTED_BITS:
-                raise ValueError(f"QuantConfig.bits={self.bits} unsupported for format 'int'; expected one of {SUPPORTED_BITS}")
-            if self.scale_dtype != torch.float32:
-                raise ValueError(
-                    f"QuantConfig.scale_dtype={self.scale_dtype} unsupported for format 'int'; the canonical form stores float32 scales"
-                )
-        else:
-            bits, group = _FIXED_FORMAT_SHAPES[self.format]
-            if self.bits != bits:
-                raise ValueError(f"format {self.format!r} has {bits}-bit elements, got bits={self.bits}")
-            if group is not None and self.group_size != group:
-                raise ValueError(f"format {self.format!r} uses group_size={group}, got {self.group_size}")
+        fmt.validate_config(self)
 
     def group_size_for(self, k: int) -> int:
         """The group size to use for rows of length k (resolves 'whole row')."""
@@ -236,6 +212,19 @@ class QuantRecipe:
         n = self.num_layers
         allowed = {i if i >= 0 else n + i for i in rule.layers}
         return idx in allowed
+
+    def formats(self) -> Tuple[str, ...]:
+        """The format names the rules use, in rule order, each once."""
+        return tuple(dict.fromkeys(r.config.format for r in self.rules if r.config is not None))
+
+    def check_formats(self, accepted: Iterable[str], writer: str) -> None:
+        """Refuse, before any work, a rule whose format `writer` cannot store: one-line
+        ValueError naming the rule, the format and what the writer takes."""
+        accepted = tuple(accepted)
+        for rule in self.rules:
+            if rule.config is not None and rule.config.format not in accepted:
+                raise ValueError(f"recipe rule {rule.pattern!r}: format {rule.config.format!r} cannot be written by "
+                                 f"{writer}; it takes {', '.join(accepted) or 'no quantized format'}")
 
     def get_config(self, fqn: str) -> Optional[QuantConfig]:
         """Config for the module `fqn` (no `.weight` suffix), or None to keep it as is."""

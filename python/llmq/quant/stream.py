@@ -17,8 +17,8 @@ StreamItem = Tuple[str, Union[torch.Tensor, GroupQuantizedWeight]]
 def quantize_stream(items: Iterable[StreamItem], recipe: QuantRecipe, *, weight_suffix: str = ".weight",
                     num_layers: Optional[int] = None,
                     module_of: Optional[Callable[[str], Optional[str]]] = None) -> Iterator[StreamItem]:
-    """Yield (fqn, GroupQuantizedWeight) for each `<module><weight_suffix>` tensor whose module
-    the recipe maps to a config, and every other item unchanged. Pulls one item from `items`
+    """Yield (fqn, quantized weight in the config's format) for each `<module><weight_suffix>`
+    tensor whose module the recipe maps to a config, and every other item unchanged. Pulls one item from `items`
     per item yielded. `num_layers` binds recipes that count layers from the end.
 
     module_of: name -> the module fqn the recipe sees, or None for "never quantize"; replaces

@@ -1,4 +1,4 @@
-"""The one canonical in-memory form of group-wise integer weights.
+"""Format family "int": the one canonical in-memory form of group-wise integer weights.
 
 Every reader (GGUF, torchao, our own quantizer) converts *into* this form and every
 packer (MLX, CUDA, the MoE kernel) converts *out of* it, so conversions are written
@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Tuple
+from typing import Any, Dict, Tuple
 
 import torch
+
+from llmq.quant.formats.base import Format, Layout
 
 SUPPORTED_BITS = (2, 3, 4, 5, 6, 7, 8)
 
@@ -160,3 +162,61 @@ def dequantize_canonical(w: GroupQuantizedWeight, dtype: torch.dtype = torch.flo
         q.mul_(scale[r:r + step].to(torch.float64)).add_(bias[r:r + step].to(torch.float64))
         out[r:r + step] = q.to(torch.float32).reshape(-1, k).to(dtype)
     return out.reshape(w.shape)
+
+
+class IntAffineFormat(Format):
+    """Group-wise integer affine weights (w = scale*q + bias), quantized by llmq.quant.quantize."""
+
+    family = "int"
+    names = ("int",)
+    container = GroupQuantizedWeight
+    has_quantized_module = True
+    # Bundles store this family as {"kind": "group_quantized", "bits", "group_size", ...}, the
+    # record every bundle version has used for it (so integer bundles stay byte-identical).
+    bundle_kind = "group_quantized"
+
+    def validate_config(self, config: Any) -> None:
+        gs = config.group_size
+        if gs is not None and (not isinstance(gs, int) or isinstance(gs, bool) or gs <= 0):
+            raise ValueError(f"QuantConfig.group_size must be a positive int, -1 or None (whole row), got {gs!r}")
+        if config.bits not in SUPPORTED_BITS:
+            raise ValueError(f"QuantConfig.bits={config.bits} unsupported for format 'int'; expected one of {SUPPORTED_BITS}")
+        if config.scale_dtype != torch.float32:
+            raise ValueError(
+                f"QuantConfig.scale_dtype={config.scale_dtype} unsupported for format 'int'; the canonical form stores float32 scales"
+            )
+
+    def quantize(self, w: torch.Tensor, config: Any, *, name: str = "<tensor>") -> GroupQuantizedWeight:
+        from llmq.quant.quantize import quantize_int_weight  # quantize.py imports this package
+
+        return quantize_int_weight(w, config, name=name)
+
+    def dequantize(self, value: GroupQuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize_canonical(value, dtype)
+
+    def params(self, value: GroupQuantizedWeight) -> Dict[str, Any]:
+        return {"bits": value.bits, "group_size": value.group_size}
+
+    def stored(self, value: GroupQuantizedWeight) -> Dict[str, torch.Tensor]:
+        return {"qdata": value.qdata, "scale": value.scale, "bias": value.bias}
+
+    def rebuild(self, name, params, shape, dtype, stored) -> GroupQuantizedWeight:
+        return GroupQuantizedWeight(qdata=stored["qdata"], scale=stored["scale"], bias=stored["bias"],
+                                    bits=params.get("bits"), group_size=params.get("group_size"),
+                                    shape=tuple(shape), dtype=dtype)
+
+    def layout(self, name, params, shape) -> Layout:
+        lead = tuple(shape[:-1]) if len(shape) >= 2 else (1,)
+        k, bits, gs = shape[-1], params["bits"], params["group_size"]
+        return {"qdata": (torch.uint8, lead + (packed_row_bytes(k, bits),)),
+                "scale": (torch.float32, lead + (k // gs,)), "bias": (torch.float32, lead + (k // gs,))}
+
+    def to_torchao(self, value: GroupQuantizedWeight):
+        from llmq.quant.torchao_interop import to_torchao  # torchao is optional
+
+        return to_torchao(value)
+
+    def native_kernel_available(self) -> bool:
+        from llmq.quant._native import native_kernel_available
+
+        return native_kernel_available()

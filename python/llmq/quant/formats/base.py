@@ -1,0 +1,145 @@
+"""The one interface every weight format implements, and the registry that finds them by name.
+
+A format family (one module under llmq/quant/formats) subclasses `Format` and registers one
+instance with `register_format`; everything else (recipe validation, quantize_weight,
+dequantize, the bundle writer and reader, backends that declare what they accept) asks the
+registry instead of branching on format names. Contract and how to add one: docs/formats.md.
+
+A format describes its weights in three ways:
+
+* in memory: its container class (`container`), e.g. GroupQuantizedWeight or NVFP4Weight;
+* on disk: `stored(value)` -> ordered ``{role: tensor}`` plus `params(value)` (small JSON
+  values such as FP8's granularity) are what the bundle writes; `rebuild(...)` is the inverse
+  and `layout(...)` says which roles, dtypes and shapes a weight of a given shape stores;
+* as numbers: `quantize(w, config)` and the exact `dequantize(value, dtype)`.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+
+Layout = Dict[str, Tuple[torch.dtype, Tuple[int, ...]]]
+
+
+class Format(abc.ABC):
+    """One format family. Subclasses set `family`, `names` and `container` and implement the
+    abstract methods; the optional ones have working defaults."""
+
+    family: str = ""  # the module's family name, e.g. "fp8"
+    names: Tuple[str, ...] = ()  # the names a QuantConfig.format may use (one family may have several)
+    container: type = object  # the in-memory class of a quantized weight
+    can_quantize: bool = True  # False for import-only families (GGUF block types)
+    has_quantized_module: bool = False  # QuantizedLinear / QuantizedEmbedding can hold it
+
+    # -- configuration ----------------------------------------------------------------------------
+    @abc.abstractmethod
+    def validate_config(self, config: Any) -> None:
+        """Raise ValueError (one line, naming the field) if `config` is not valid for this format.
+        Called by QuantConfig after the format-independent fields are checked."""
+
+    # -- numbers ----------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def quantize(self, w: torch.Tensor, config: Any, *, name: str = "<tensor>") -> Any:
+        """Quantize a 1-D, 2-D or 3-D float weight along its last dimension into `container`."""
+
+    @abc.abstractmethod
+    def dequantize(self, value: Any, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The exact float32 value of `value`, then cast to dtype."""
+
+    # -- storage ----------------------------------------------------------------------------------
+    def name_of(self, value: Any) -> str:
+        """The config name of a stored value (families with several names override)."""
+        return self.names[0]
+
+    def params(self, value: Any) -> Dict[str, Any]:
+        """JSON scalars besides shape and dtype needed to rebuild `value` (default: none)."""
+        return {}
+
+    @abc.abstractmethod
+    def stored(self, value: Any) -> Dict[str, torch.Tensor]:
+        """The tensors that represent `value` on disk, role -> tensor, in storage order."""
+
+    @abc.abstractmethod
+    def rebuild(self, name: str, params: Dict[str, Any], shape: Tuple[int, ...], dtype: torch.dtype,
+                stored: Dict[str, torch.Tensor]) -> Any:
+        """The container back from what `stored` gave (raises ValueError when the parts disagree)."""
+
+    @abc.abstractmethod
+    def layout(self, name: str, params: Dict[str, Any], shape: Tuple[int, ...]) -> Layout:
+        """role -> (dtype, shape) of every tensor a weight of logical `shape` stores."""
+
+    def nbytes(self, value: Any) -> int:
+        return sum(t.numel() * t.element_size() for t in self.stored(value).values())
+
+    def shape_of(self, value: Any) -> Tuple[int, ...]:
+        return tuple(value.shape)
+
+    # -- optional edges ---------------------------------------------------------------------------
+    def to_torchao(self, value: Any):
+        """The torchao tensor that dequantizes to the same values (NotImplementedError if none)."""
+        raise NotImplementedError(f"format {self.name_of(value)!r} has no torchao conversion")
+
+    def native_kernel_available(self) -> bool:
+        """Whether a compiled quantize kernel serves this family on this machine."""
+        return False
+
+    def __repr__(self) -> str:
+        return f"<Format {self.family}: {', '.join(self.names)}>"
+
+
+_BY_NAME: Dict[str, Format] = {}
+_BY_TYPE: Dict[type, Format] = {}
+
+
+def register_format(fmt: Format, *, overwrite: bool = False) -> Format:
+    """Make `fmt` findable by each of its names and by its container type; returns it."""
+    if not isinstance(fmt, Format):
+        raise TypeError(f"register_format expects a Format instance, got {type(fmt).__name__}")
+    if not fmt.names:
+        raise ValueError(f"format family {fmt.family!r} declares no names")
+    for name in fmt.names:
+        if name in _BY_NAME and not overwrite and _BY_NAME[name] is not fmt:
+            raise ValueError(f"format name {name!r} is already registered by family {_BY_NAME[name].family!r}")
+    for name in fmt.names:
+        _BY_NAME[name] = fmt
+    if fmt.container is not object:
+        _BY_TYPE[fmt.container] = fmt
+    return fmt
+
+
+def get_format(name: str) -> Format:
+    """The format registered under `name`; ValueError naming the known ones otherwise."""
+    fmt = _BY_NAME.get(name) if isinstance(name, str) else None
+    if fmt is None:
+        raise ValueError(f"format {name!r} unknown; expected one of {format_names()}")
+    return fmt
+
+
+def format_of(value: Any) -> Optional[Format]:
+    """The format whose container `value` is, or None (a plain tensor, or anything else)."""
+    for cls in type(value).__mro__:
+        fmt = _BY_TYPE.get(cls)
+        if fmt is not None:
+            return fmt
+    return None
+
+
+def format_names(*, quantizable: Optional[bool] = None) -> Tuple[str, ...]:
+    """Registered names in registration order; quantizable=True keeps those a recipe may use."""
+    return tuple(n for n, f in _BY_NAME.items() if quantizable is None or f.can_quantize == quantizable)
+
+
+def is_quantized(value: Any) -> bool:
+    """True for any registered container (a quantized weight of any format)."""
+    return format_of(value) is not None
+
+
+def nbytes_of(value: Any) -> int:
+    """Bytes a tensor or a quantized weight of any format occupies."""
+    fmt = format_of(value)
+    if fmt is not None:
+        return fmt.nbytes(value)
+    return value.numel() * value.element_size()
