@@ -51,6 +51,7 @@ from llmq.checkpoint.errors import (
     TensorMismatchError,
     UnsupportedCheckpointError,
 )
+from llmq.checkpoint.fileio import fsync_path, write_all, write_error, write_file_atomic
 from llmq.checkpoint.safetensors_io import (
     DTYPE_NAMES,
     SafetensorsFile,
@@ -81,7 +82,6 @@ DEFAULT_WRITE_QUEUE_BYTES = 64 * 1024 * 1024  # tensor bytes queued for the writ
 # many bytes, so the disk writes while the next tensors are read and quantized instead of
 # all at the end (the kernel alone would start only at dirty_background_ratio, GBs later).
 _FLUSH_EVERY = 128 * 1024 * 1024
-_MAX_WRITE = 1 << 30  # Linux writes at most 0x7ffff000 bytes per call; longer writes loop
 _QUANT_PARTS = ("qdata", "scale", "bias")
 
 
@@ -130,29 +130,17 @@ def _library_versions() -> Dict[str, str]:
 
 
 def _fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        fsync_path(path)
+    except OSError as e:
+        raise write_error(e, path, "fsync") from None
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+_fsync_dir = _fsync_file
 
 
 def _write_atomic(path: str, data: bytes, *, fsync: bool) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        if fsync:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_file_atomic(path, data, fsync=fsync)
 
 
 def _tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -262,10 +250,6 @@ class _Worker:
                     self._cv.notify_all()
 
 
-def _os_error(e: OSError, what: str, path: str, tensor: Optional[str] = None) -> CheckpointError:
-    return CheckpointError(f"{what} failed: {e.strerror or e}", path=path, tensor=tensor)
-
-
 class _ShardBuilder:
     """One shard being filled: tensor bytes are written in arrival order after a reserved header gap.
 
@@ -335,21 +319,16 @@ class _ShardBuilder:
             try:
                 self._fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
             except OSError as e:
-                raise _os_error(e, "creating the shard", self.tmp) from None
+                raise write_error(e, self.tmp, "creating the shard") from None
         return self._fd
 
     def write(self, writes: List[Tuple[str, int, memoryview]], sync: Optional["_Worker"]) -> None:
         fd = self._open()
         for entry, offset, mv in writes:
-            done = 0
             try:
-                while done < len(mv):
-                    n = os.pwrite(fd, mv[done:done + _MAX_WRITE], offset + done)
-                    if n <= 0:
-                        raise OSError(0, "the disk accepted no bytes")
-                    done += n
+                write_all(fd, mv, offset)
             except OSError as e:
-                raise _os_error(e, "writing", self.tmp, tensor=entry) from None
+                raise write_error(e, self.tmp, "writing", tensor=entry) from None
             self._unflushed += len(mv)
         if sync is not None and self._unflushed >= _FLUSH_EVERY and sync.idle():
             self._unflushed = 0
@@ -361,9 +340,9 @@ class _ShardBuilder:
         waits on the disk while the shard is hashed and the next one filled)."""
         fd = self._open()
         try:
-            os.pwrite(fd, header, 0)
+            write_all(fd, header, 0)
         except OSError as e:
-            raise _os_error(e, "writing the header", self.tmp) from None
+            raise write_error(e, self.tmp, "writing the header") from None
         self._fd = None
         if sync is None:
             os.close(fd)
@@ -373,12 +352,18 @@ class _ShardBuilder:
     def seal(self) -> Dict[str, Any]:
         """Hash the finished file and rename it into place; return its journal record."""
         final = os.path.join(self.folder, self.file)
+        size = self.reserve + self.nbytes
         try:
+            # Every byte was written (write_all) before this; a file of another size would hold a
+            # hole that reading through mmap turns into SIGBUS on a full tmpfs, so it is refused.
+            if os.path.getsize(self.tmp) != size:
+                raise CheckpointError(f"is {os.path.getsize(self.tmp)} bytes after writing, expected {size}",
+                                      path=self.tmp)
             digest = file_digest(self.tmp)  # read back from the page cache: cheaper than a second copy
             os.replace(self.tmp, final)
         except OSError as e:
-            raise _os_error(e, "hashing and renaming", self.tmp) from None
-        return {"file": self.file, "bytes": self.reserve + self.nbytes, "blake3": digest, "tensors": self.tensors}
+            raise write_error(e, self.tmp, "hashing and renaming") from None
+        return {"file": self.file, "bytes": size, "blake3": digest, "tensors": self.tensors}
 
     def discard(self) -> None:
         if self._fd is not None:
@@ -386,6 +371,14 @@ class _ShardBuilder:
             self._fd = None
         if os.path.exists(self.tmp):
             os.unlink(self.tmp)
+
+
+def _checked(fn: Callable[..., Any], path: str, *args: Any, what: str, **kwargs: Any) -> Any:
+    """fn(path, *args, **kwargs); an OSError becomes one OutputWriteError line naming ``path``."""
+    try:
+        return fn(path, *args, **kwargs)
+    except OSError as e:
+        raise write_error(e, path, what) from None
 
 
 def _discard_on_error(shard: _ShardBuilder, fn: Callable[..., Any], *args: Any) -> Any:
@@ -405,7 +398,7 @@ def _fsync_fd(fd: int, path: str, data_only: bool = False) -> None:
     try:
         (os.fdatasync if data_only else os.fsync)(fd)
     except OSError as e:
-        raise _os_error(e, "fsync", path) from None
+        raise write_error(e, path, "fsync") from None
     finally:
         os.close(fd)
 
@@ -443,11 +436,11 @@ class BundleWriter:
         self._replay: List[Tuple[str, Dict[str, Any]]] = []
         self._pos = 0
         self._names: Dict[str, str] = {}  # entry name -> fqn, to refuse collisions
-        os.makedirs(os.path.dirname(self.out_dir) or ".", exist_ok=True)
+        _checked(os.makedirs, os.path.dirname(self.out_dir) or ".", exist_ok=True, what="creating the folder")
         if os.path.isdir(self.partial):
             self._recover(resume)
         else:
-            os.makedirs(self.partial)
+            _checked(os.makedirs, self.partial, what="creating the folder")
         self._journal()
         self._resumed = len(self.shards)
         self._placed_shards = len(self.shards)  # shards closed in the caller's thread (maybe not yet on disk)
@@ -615,7 +608,7 @@ class BundleWriter:
         _write_atomic(os.path.join(self.partial, INDEX), json.dumps(index, indent=1).encode(), fsync=self.fsync)
         _write_atomic(os.path.join(self.partial, MANIFEST), json.dumps(manifest, indent=1).encode(),
                       fsync=self.fsync)
-        os.unlink(os.path.join(self.partial, JOURNAL))
+        _checked(os.unlink, os.path.join(self.partial, JOURNAL), what="removing the journal")
         if self.fsync:  # everything durable before the folder can look complete
             for shard in self.shards[:self._resumed]:  # the fsync thread did this run's shards
                 _fsync_file(os.path.join(self.partial, shard["file"]))
@@ -624,13 +617,13 @@ class BundleWriter:
         if os.path.exists(self.out_dir):  # overwrite=True: move the old one aside, then swap
             old = self.out_dir + ".old"
             if os.path.exists(old):
-                shutil.rmtree(old)
-            os.rename(self.out_dir, old)
-        os.rename(self.partial, self.out_dir)
+                _checked(shutil.rmtree, old, what="removing")
+            _checked(os.rename, self.out_dir, old, what="moving the old output aside")
+        _checked(os.rename, self.partial, self.out_dir, what="renaming into place")
         if self.fsync:
             _fsync_dir(os.path.dirname(self.out_dir))
         if old:
-            shutil.rmtree(old)
+            _checked(shutil.rmtree, old, what="removing the replaced output")
         return self.out_dir
 
     def abort(self) -> None:

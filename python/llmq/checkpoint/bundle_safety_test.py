@@ -1,0 +1,136 @@
+"""The bundle writer under hostile conditions: short writes, a full disk, crashes inside close(),
+foreign .partial folders, concurrent runs, extra files."""
+
+import errno
+import hashlib
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from llmq.checkpoint import BundleWriter, CheckpointError, OutputWriteError, load_bundle, read_manifest, save_bundle
+from llmq.checkpoint import bundle as bundle_module
+from llmq.quant.formats import GroupQuantizedWeight, pack_bits
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PYTHON_ROOT = os.path.dirname(os.path.dirname(HERE))
+SHARD = 3000
+
+
+def gqw(seed, n=8, k=64, bits=4, gs=32):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 2 ** bits, (n, k), generator=g)
+    return GroupQuantizedWeight(qdata=pack_bits(q, bits), scale=torch.rand(n, k // gs, generator=g),
+                                bias=-torch.rand(n, k // gs, generator=g), bits=bits, group_size=gs, shape=(n, k))
+
+
+def stream(n_layers=6):
+    g = torch.Generator().manual_seed(1)
+    yield "model.embed_tokens.weight", torch.randn(32, 64, generator=g).to(torch.bfloat16)
+    for i in range(n_layers):
+        yield f"model.layers.{i}.mlp.up_proj.weight", gqw(10 + i)
+        yield f"model.layers.{i}.norm.weight", torch.ones(64) * i
+    yield "lm_head.weight", gqw(99, bits=8, gs=16)
+
+
+def lazy(computed):
+    """stream() with every value a callable that records its name when the writer computes it."""
+    for name, value in stream():
+        yield name, (lambda v=value, n=name: computed.append(n) or v)
+
+
+def folder_digest(path):
+    return {name: hashlib.sha256(open(os.path.join(path, name), "rb").read()).hexdigest()
+            for name in sorted(os.listdir(path))}
+
+
+@pytest.fixture
+def reference(tmp_path):
+    return folder_digest(save_bundle(stream(), tmp_path / "ref", max_shard_bytes=SHARD, fsync=False))
+
+
+# -- 1. every write completed or failed with one line ----------------------------------------------------
+
+def test_short_writes_are_completed(tmp_path, monkeypatch, reference):
+    """The kernel may write fewer bytes than asked (a nearly full disk does): every write loops."""
+    real_pwrite, real_write = os.pwrite, os.write
+    calls = []
+
+    def short_pwrite(fd, data, offset):
+        calls.append(len(data))
+        return real_pwrite(fd, bytes(memoryview(data)[:97]), offset)
+
+    def short_write(fd, data):
+        return real_write(fd, bytes(memoryview(data)[:97]))
+
+    monkeypatch.setattr(os, "pwrite", short_pwrite)
+    monkeypatch.setattr(os, "write", short_write)
+    out = save_bundle(stream(), tmp_path / "out", max_shard_bytes=SHARD, fsync=True)
+    monkeypatch.undo()
+    assert max(calls) > 97  # writes were really cut short
+    assert folder_digest(out) == reference
+    load_bundle(out, verify=True)
+
+
+class DiskFull:
+    """os.pwrite/os.write that accept `budget` bytes in all, then behave like a full disk: a short
+    write first (what Linux does when part of the buffer fits), ENOSPC afterwards."""
+
+    def __init__(self, budget):
+        self.left = budget
+        self.real_pwrite, self.real_write = os.pwrite, os.write
+
+    def _take(self, data):
+        data = memoryview(data).cast("B")
+        if self.left <= 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        n = min(len(data), self.left)
+        self.left -= n
+        return bytes(data[:n])
+
+    def pwrite(self, fd, data, offset):
+        return self.real_pwrite(fd, self._take(data), offset)
+
+    def write(self, fd, data):
+        return self.real_write(fd, self._take(data))
+
+
+def bytes_written(tmp_path, monkeypatch):
+    disk = DiskFull(1 << 40)
+    monkeypatch.setattr(os, "pwrite", disk.pwrite)
+    monkeypatch.setattr(os, "write", disk.write)
+    save_bundle(stream(), tmp_path / "measure", max_shard_bytes=SHARD, fsync=True)
+    monkeypatch.undo()
+    return (1 << 40) - disk.left
+
+
+@pytest.mark.parametrize("budget", [0, 600, 2500, 4096 + 1800, 9000, -1000])
+def test_a_full_disk_fails_with_one_line_and_leaves_a_resumable_partial(tmp_path, monkeypatch, reference, budget):
+    """Budgets land in journal writes, tensor data, shard headers (the 4 KiB gap) and (-1000: all
+    but the last 1000 bytes of the run) the manifest, written last."""
+    if budget < 0:
+        budget += bytes_written(tmp_path, monkeypatch)
+    disk = DiskFull(budget)
+    monkeypatch.setattr(os, "pwrite", disk.pwrite)
+    monkeypatch.setattr(os, "write", disk.write)
+    out = tmp_path / "out"
+    with pytest.raises(OutputWriteError) as info:
+        save_bundle(stream(), out, max_shard_bytes=SHARD, fsync=True)
+    monkeypatch.undo()
+    message = str(info.value)
+    assert message == f"{info.value.path}: No space left on device" and "\n" not in message
+    assert info.value.path.startswith(str(out) + ".partial" + os.sep)
+    assert not out.exists()  # nothing published
+    partial = out.parent / "out.partial"
+    left = set(os.listdir(partial))
+    assert "llmq_manifest.json" not in left
+    assert not [n for n in left if n.endswith(".tmp")]  # no torn file kept
+    assert budget < 600 or "journal.json" in left
+    computed = []
+    save_bundle(lazy(computed), out, max_shard_bytes=SHARD, fsync=False)  # the same run, with room
+    assert folder_digest(out) == reference
+    if budget > 20000:  # every shard was finished and journalled before the manifest failed
+        assert computed == []
