@@ -280,6 +280,8 @@ def _write_mlx(arch: Architecture, stream, out: str, hf_config: Dict, checkpoint
     try:
         return str(mlx_backend.write_mlx_folder(out, stream, arch, hf_config, tokenizer=tokenizer,
                                                 max_shard_bytes=max_shard_size))
+    except CheckpointError:  # a failed write, already one line naming the file
+        raise
     except ValueError as e:  # a config or tensor mlx-lm cannot express
         raise UsageError(f"--backend mlx: {e}") from None
 

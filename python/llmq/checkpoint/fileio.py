@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import errno
 import os
-from typing import Optional
+import re
+from typing import Dict, Mapping, Optional
+
+import torch
 
 from llmq.checkpoint.errors import OutputWriteError
 
@@ -117,6 +120,25 @@ def publish_mode(path: str) -> None:
         os.chmod(path, umask_mode())
     except OSError as e:
         raise write_error(e, path, "setting permissions") from None
+
+
+def save_safetensors(path: str, tensors: Mapping[str, torch.Tensor], metadata: Optional[Dict[str, str]]) -> None:
+    """safetensors' ``save_file`` (the reference byte layout), with its I/O errors as one
+    OutputWriteError line naming ``path`` and the file given the umask's permissions."""
+    from safetensors.torch import save_file
+
+    try:
+        save_file(tensors, path, metadata=metadata)
+    except OSError as e:
+        raise write_error(e, path, "writing") from None
+    except Exception as e:  # SafetensorError("... I/O error: No space left on device (os error 28)")
+        if type(e).__name__ != "SafetensorError":
+            raise
+        code = re.search(r"os error (\d+)", str(e))
+        if code:
+            raise write_error(OSError(int(code.group(1)), os.strerror(int(code.group(1)))), path, "writing") from None
+        raise OutputWriteError(f"writing failed: {e}", path=path) from None
+    publish_mode(path)
 
 
 def _unlink_quietly(path: str) -> None:
