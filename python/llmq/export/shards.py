@@ -16,12 +16,14 @@ import os
 from typing import Callable, Dict, List, Mapping, Optional
 
 import torch
-from safetensors.torch import save_file
+
+from llmq.checkpoint.fileio import save_safetensors, write_file_atomic
 
 
 def save_shard(path: str, tensors: Mapping[str, torch.Tensor], metadata: Optional[Dict[str, str]] = None) -> None:
-    """Write one safetensors file (the swappable low-level step)."""
-    save_file({k: v.contiguous() for k, v in tensors.items()}, path, metadata=metadata or {"format": "pt"})
+    """Write one safetensors file (the swappable low-level step): a failed write is one
+    OutputWriteError line naming the file; the file gets the umask's permissions."""
+    save_safetensors(path, {k: v.contiguous() for k, v in tensors.items()}, metadata or {"format": "pt"})
 
 
 class ShardWriter:
@@ -94,10 +96,9 @@ class ShardWriter:
         os.replace(partial, self._shard_path(index))  # a shard is either complete or absent
         self._shards.append({k: v.numel() * v.element_size() for k, v in self._buffer.items()})
         self._buffer, self._buffer_bytes = {}, 0
-        journal = os.path.join(self.folder, self.JOURNAL)
-        with open(journal + ".part", "w") as f:
-            json.dump({"max_shard_bytes": self.max_shard_bytes, "shards": self._shards}, f)
-        os.replace(journal + ".part", journal)
+        write_file_atomic(os.path.join(self.folder, self.JOURNAL),
+                          json.dumps({"max_shard_bytes": self.max_shard_bytes, "shards": self._shards}).encode(),
+                          fsync=False)
 
     def close(self) -> List[str]:
         """Write the last shard, give shards their final names, write the index. Returns the
@@ -115,6 +116,6 @@ class ShardWriter:
         if count > 1:
             weight_map = {t: names[i] for i, shard in enumerate(self._shards) for t in sorted(shard)}
             index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
-            with open(os.path.join(self.folder, "model.safetensors.index.json"), "w") as f:
-                json.dump(index, f, indent=2)
+            write_file_atomic(os.path.join(self.folder, "model.safetensors.index.json"),
+                              json.dumps(index, indent=2).encode(), fsync=False)
         return names
