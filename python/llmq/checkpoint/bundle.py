@@ -29,6 +29,8 @@ Written incrementally and crash-safely (format: docs/checkpoint.md):
 from __future__ import annotations
 
 import dataclasses
+import errno
+import fcntl
 import hashlib
 import json
 import mmap
@@ -47,6 +49,7 @@ from llmq.checkpoint.errors import (
     CheckpointNotFoundError,
     ChecksumError,
     CorruptCheckpointError,
+    OutputBusyError,
     ResumeMismatchError,
     TensorMismatchError,
     UnsupportedCheckpointError,
@@ -72,6 +75,7 @@ MANIFEST = "llmq_manifest.json"
 INDEX = "model.safetensors.index.json"
 JOURNAL = "journal.json"
 PARTIAL_SUFFIX = ".partial"
+REPLACED_SUFFIX = ".llmq-replaced"  # overwrite=True moves the old output here, then deletes it
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024 ** 3
 VERIFY_AUTO_LIMIT = 4 * 1024 ** 3  # verify=None checks checksums up to this many bytes of shards
 SHARD_METADATA = {"format": "pt"}  # transformers refuses safetensors files without it
@@ -437,11 +441,15 @@ class BundleWriter:
         self._pos = 0
         self._names: Dict[str, str] = {}  # entry name -> fqn, to refuse collisions
         _checked(os.makedirs, os.path.dirname(self.out_dir) or ".", exist_ok=True, what="creating the folder")
-        if os.path.isdir(self.partial):
+        self._lock_fd = self._lock()
+        try:
+            if os.path.exists(self.out_dir) and not overwrite:  # published while we waited for the lock
+                raise CheckpointError("output already exists; pass overwrite=True to replace it", path=self.out_dir)
             self._recover(resume)
-        else:
-            _checked(os.makedirs, self.partial, what="creating the folder")
-        self._journal()
+            self._journal()
+        except BaseException:
+            self._unlock()
+            raise
         self._resumed = len(self.shards)
         self._placed_shards = len(self.shards)  # shards closed in the caller's thread (maybe not yet on disk)
         self._shard = _ShardBuilder(self.partial, self._placed_shards + 1, self.reserve)
@@ -450,20 +458,60 @@ class BundleWriter:
         self._syncer = _Worker("llmq-bundle-fsync", float("inf")) if fsync else None
         self._stopped = False
 
-    # -- resume ---------------------------------------------------------------------------------------
+    # -- the lock and resume ---------------------------------------------------------------------------
+    def _lock(self) -> int:
+        """Create (or reuse) ``<out>.partial`` and hold an exclusive flock on it until close/abort.
+
+        The lock is on the folder itself, so nothing extra is written; the holder's pid is in
+        its journal. A second run into the same output is refused without touching anything."""
+        _checked(os.makedirs, self.partial, exist_ok=True, what="creating the folder")
+        fd = _checked(os.open, self.partial, os.O_RDONLY | os.O_DIRECTORY, what="opening the folder")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            same = os.path.isdir(self.partial) and os.stat(self.partial).st_ino == os.fstat(fd).st_ino
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                os.close(fd)
+                raise write_error(e, self.partial, "locking") from None
+            same = False
+        if not same:  # held by another run, or that run published it while we looked
+            os.close(fd)
+            raise OutputBusyError(f"another llmq run is writing there ({self._holder()})", path=self.out_dir)
+        return fd
+
+    def _holder(self) -> str:
+        try:
+            with open(os.path.join(self.partial, JOURNAL), "rb") as f:
+                pid = json.loads(f.read()).get("pid")
+        except (OSError, ValueError, AttributeError):
+            pid = None
+        return f"pid {pid}" if isinstance(pid, int) else "pid not recorded yet"
+
+    def _unlock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # releases the flock
+            self._lock_fd = None
+
     def _recover(self, resume: bool) -> None:
+        """Keep what an interrupted run left (finished shards named in its journal), or start over;
+        a folder without llmq's journal but with files in it is somebody else's: refused."""
         journal_path = os.path.join(self.partial, JOURNAL)
         journal = None
-        if resume and os.path.isfile(journal_path):
+        if os.path.isfile(journal_path):
             try:
                 with open(journal_path, "rb") as f:
                     journal = json.loads(f.read())
-            except ValueError:
-                journal = None  # torn journal: start over
-        if (not resume or not isinstance(journal, dict) or journal.get("format_version") != BUNDLE_VERSION
-                or not isinstance(journal.get("shards"), list)):
-            shutil.rmtree(self.partial)
-            os.makedirs(self.partial)
+            except (OSError, ValueError):
+                journal = None
+        ours = isinstance(journal, dict) and isinstance(journal.get("shards"), list) and "settings" in journal
+        if not ours:
+            foreign = sorted(n for n in os.listdir(self.partial) if n != JOURNAL + ".tmp")
+            if foreign:
+                raise CheckpointError(
+                    f"exists without an llmq journal (holds {foreign[0]!r}{' ...' if len(foreign) > 1 else ''}), "
+                    "so it is not an interrupted llmq run; move it away or delete it", path=self.partial)
+        if not ours or not resume or journal.get("format_version") != BUNDLE_VERSION:
+            self._clear(set())
             return
         if journal.get("settings") != self.settings:
             raise ResumeMismatchError(
@@ -485,13 +533,19 @@ class BundleWriter:
                 self._replay.append((fqn, record))
                 for entry in record["entries"].values():
                     self._names[entry] = fqn
+        self._clear(keep)
+
+    def _clear(self, keep: set) -> None:
+        """Delete everything in the (locked, llmq-owned) partial folder but ``keep``."""
         for name in os.listdir(self.partial):
             if name not in keep:
                 full = os.path.join(self.partial, name)
-                shutil.rmtree(full) if os.path.isdir(full) else os.unlink(full)
+                _checked(shutil.rmtree if os.path.isdir(full) and not os.path.islink(full) else os.unlink, full,
+                         what="removing")
 
     def _journal(self) -> None:
-        data = {"format_version": BUNDLE_VERSION, "settings": self.settings, "shards": self.shards}
+        data = {"format_version": BUNDLE_VERSION, "settings": self.settings, "shards": self.shards,
+                "pid": os.getpid()}
         _write_atomic(os.path.join(self.partial, JOURNAL), _canonical_json(data), fsync=self.fsync)
 
     def completed(self) -> List[str]:
@@ -571,6 +625,12 @@ class BundleWriter:
 
     def close(self) -> str:
         """Finish the last shard, write index + manifest, and rename the folder into place."""
+        try:
+            return self._close()
+        finally:
+            self._unlock()
+
+    def _close(self) -> str:
         if self._stopped:
             raise CheckpointError("this writer was already closed or aborted", path=self.partial)
         if self._pos != len(self._replay):
@@ -608,21 +668,29 @@ class BundleWriter:
         _write_atomic(os.path.join(self.partial, INDEX), json.dumps(index, indent=1).encode(), fsync=self.fsync)
         _write_atomic(os.path.join(self.partial, MANIFEST), json.dumps(manifest, indent=1).encode(),
                       fsync=self.fsync)
-        _checked(os.unlink, os.path.join(self.partial, JOURNAL), what="removing the journal")
+        # The journal stays until the folder is in place: a kill anywhere before the rename
+        # leaves a partial folder that resumes with every shard kept.
         if self.fsync:  # everything durable before the folder can look complete
             for shard in self.shards[:self._resumed]:  # the fsync thread did this run's shards
                 _fsync_file(os.path.join(self.partial, shard["file"]))
             _fsync_dir(self.partial)
-        old = None
-        if os.path.exists(self.out_dir):  # overwrite=True: move the old one aside, then swap
-            old = self.out_dir + ".old"
+        old = self.out_dir + REPLACED_SUFFIX  # only ever made here: a leftover is an interrupted swap's
+        if os.path.exists(self.out_dir):
+            if not self.overwrite:
+                raise CheckpointError("output already exists; pass overwrite=True to replace it", path=self.out_dir)
             if os.path.exists(old):
                 _checked(shutil.rmtree, old, what="removing")
             _checked(os.rename, self.out_dir, old, what="moving the old output aside")
         _checked(os.rename, self.partial, self.out_dir, what="renaming into place")
         if self.fsync:
             _fsync_dir(os.path.dirname(self.out_dir))
-        if old:
+        # A kill from here on leaves a complete bundle; at worst it still holds journal.json, which
+        # no reader looks at.
+        _checked(os.unlink, os.path.join(self.out_dir, JOURNAL), what="removing the journal")
+        if self.fsync:
+            _fsync_dir(self.out_dir)
+        self._unlock()
+        if os.path.exists(old):
             _checked(shutil.rmtree, old, what="removing the replaced output")
         return self.out_dir
 
@@ -633,10 +701,15 @@ class BundleWriter:
             self._drain()
         except BaseException:
             pass  # the caller is already handling an error; this one was (or will be) reported
-        self._shard.discard()
-        for name in os.listdir(self.partial):  # shards whose jobs were dropped after a failure
-            if name.endswith(".safetensors.tmp"):
-                os.unlink(os.path.join(self.partial, name))
+        try:
+            self._shard.discard()
+            for name in os.listdir(self.partial):  # shards whose jobs were dropped after a failure
+                if name.endswith(".safetensors.tmp"):
+                    os.unlink(os.path.join(self.partial, name))
+        except OSError:
+            pass  # as above: the error being handled is the one to report
+        finally:
+            self._unlock()
 
 
 def save_bundle(stream: Iterable[Tuple[str, Union[Value, Callable[[], Value]]]], out_dir: os.PathLike, *,

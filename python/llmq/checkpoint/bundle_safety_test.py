@@ -134,3 +134,125 @@ def test_a_full_disk_fails_with_one_line_and_leaves_a_resumable_partial(tmp_path
     assert folder_digest(out) == reference
     if budget > 20000:  # every shard was finished and journalled before the manifest failed
         assert computed == []
+
+
+# -- 2. a .partial folder llmq did not make is never deleted ---------------------------------------------
+
+@pytest.mark.parametrize("resume", [True, False])
+@pytest.mark.parametrize("journal", [None, b"not json", b'{"some": "other tool"}'])
+def test_a_partial_folder_without_an_llmq_journal_is_refused_untouched(tmp_path, resume, journal):
+    partial = tmp_path / "out.partial"
+    partial.mkdir()
+    (partial / "notes.txt").write_text("mine")
+    if journal is not None:
+        (partial / "journal.json").write_bytes(journal)
+    before = folder_digest(partial)
+    with pytest.raises(CheckpointError) as info:
+        save_bundle(stream(), tmp_path / "out", max_shard_bytes=SHARD, resume=resume, fsync=False)
+    message = str(info.value)
+    assert message.startswith(f"{partial}: exists without an llmq journal") and "\n" not in message
+    assert folder_digest(partial) == before and not (tmp_path / "out").exists()
+
+
+def test_an_empty_partial_folder_is_used(tmp_path, reference):
+    (tmp_path / "out.partial").mkdir()  # what a run killed before its first journal write leaves
+    assert folder_digest(save_bundle(stream(), tmp_path / "out", max_shard_bytes=SHARD, fsync=False)) == reference
+
+
+# -- 3. a kill at any step of close() loses no finished shard --------------------------------------------
+
+class Crash(BaseException):
+    """Stands for SIGKILL: nothing after it runs (close() has no handler for it after the drain)."""
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_crash_at_each_step_of_close_keeps_every_finished_shard(tmp_path, monkeypatch, reference, overwrite):
+    import shutil
+    import threading
+
+    main = threading.current_thread()
+    steps = {"os.rename": (os, "rename"), "os.unlink": (os, "unlink"), "os.replace": (os, "replace"),
+             "shutil.rmtree": (shutil, "rmtree"), "_fsync_file": (bundle_module, "_fsync_file"),
+             "_fsync_dir": (bundle_module, "_fsync_dir"), "_write_atomic": (bundle_module, "_write_atomic")}
+    seen_steps = []
+    for k in range(100):
+        out = tmp_path / f"out{k}"
+        if overwrite:
+            save_bundle([("old", torch.ones(3))], out, fsync=False)
+        writer = BundleWriter(out, max_shard_bytes=SHARD, fsync=True, overwrite=overwrite)
+        for name, value in stream():
+            writer.add(name, value)
+        calls = []
+
+        def wrap(label, real):
+            def step(*args, **kwargs):
+                if threading.current_thread() is main:
+                    calls.append(label)
+                    if len(calls) == k + 1:
+                        raise Crash(label)
+                return real(*args, **kwargs)
+            return step
+
+        for label, (owner, attr) in steps.items():
+            monkeypatch.setattr(owner, attr, wrap(label, getattr(owner, attr)))
+        try:
+            writer.close()
+            crashed = False
+        except Crash:
+            crashed = True
+        finally:
+            monkeypatch.undo()
+            getattr(writer, "_unlock", lambda: None)()  # the killed process's lock dies with it
+        if not crashed:
+            break
+        seen_steps.append(calls[-1])
+        if not (tmp_path / f"out{k}.partial").exists():  # crashed after the rename: the bundle is complete
+            got = folder_digest(out)
+            got.pop("journal.json", None)  # a kill before its removal leaves it; no reader looks at it
+            assert got == reference, (k, calls)
+            load_bundle(out, verify=True)
+            continue
+        computed = []
+        save_bundle(lazy(computed), out, max_shard_bytes=SHARD, fsync=False, overwrite=overwrite)
+        assert computed == [], f"crash at step {k} ({calls[-1]}) lost finished shards"
+        assert folder_digest(out) == reference
+        assert not (tmp_path / f"out{k}.llmq-replaced").exists()
+    else:
+        raise AssertionError("close() never completed")
+    assert {"_write_atomic", "os.rename", "os.unlink", "_fsync_dir"} <= set(seen_steps), seen_steps
+
+
+# -- 4. two runs into the same output ----------------------------------------------------------------------
+
+def test_a_second_run_into_the_same_output_is_refused_without_touching_anything(tmp_path, reference):
+    out = tmp_path / "out"
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {PYTHON_ROOT!r}); sys.path.insert(0, {HERE!r})
+        from bundle_safety_test import SHARD, stream
+        from llmq.checkpoint import BundleWriter
+        writer = BundleWriter({str(out)!r}, max_shard_bytes=SHARD, fsync=False)
+        for name, value in stream():
+            writer.add(name, value)
+        print("holding", flush=True)
+        sys.stdin.readline()
+        writer.close()
+    """)
+    first = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert first.stdout.readline() == b"holding\n"
+        partial = tmp_path / "out.partial"
+        before = folder_digest(partial)
+        for resume in (True, False):
+            with pytest.raises(CheckpointError) as info:
+                save_bundle(stream(), out, max_shard_bytes=SHARD, resume=resume, fsync=False)
+            assert str(info.value) == f"{out}: another llmq run is writing there (pid {first.pid})"
+        assert folder_digest(partial) == before
+        first.stdin.write(b"\n")
+        first.stdin.close()
+        assert first.wait(timeout=120) == 0
+    finally:
+        first.kill()
+    assert folder_digest(out) == reference and not (tmp_path / "out.partial").exists()
+    with pytest.raises(CheckpointError, match="already exists"):
+        save_bundle(stream(), out, max_shard_bytes=SHARD, fsync=False)
