@@ -18,7 +18,8 @@ from typing import Dict, Iterator, Optional, Tuple
 import torch
 from absl import app, flags
 
-from llmq.checkpoint import CheckpointError, checkpoint_names, iter_checkpoint, load_bundle, save_bundle
+from llmq.checkpoint import (CheckpointError, checkpoint_names, iter_checkpoint, load_bundle, save_bundle,
+                             source_files)
 from llmq.quant import GroupQuantizedWeight, QuantRecipe, load_recipe, quantize_stream, register_preset
 from models.pipeline import gguf_input
 from models.pipeline.arch import Architecture, quantizable_module
@@ -184,7 +185,8 @@ def run(arch: Architecture, *, checkpoint: Optional[str], recipe: Optional[str],
             bundle = _write_mlx(arch, stream, out, hf_config, checkpoint, embedded, config, max_shard_size)
         else:
             bundle = save_bundle(stream, out, recipe=quant_recipe, max_shard_bytes=max_shard_size, resume=resume,
-                                 metadata={"architecture": arch.name, "backend": backend, "recipe": recipe_name})
+                                 metadata={"architecture": arch.name, "backend": backend, "recipe": recipe_name},
+                                 extra_files=() if from_gguf else source_files(checkpoint))  # config, tokenizer
         seconds = time.perf_counter() - start
         for note in gguf_notes:
             print(f"note: {note}")

@@ -8,11 +8,13 @@ Public API (see docs/checkpoint.md):
 
 from llmq.checkpoint.bundle import (
     BUNDLE_VERSION,
+    SOURCE_FILES,
     BundleWriter,
     iter_bundle,
     load_bundle,
     read_manifest,
     save_bundle,
+    source_files,
 )
 from llmq.checkpoint.errors import (
     BundleVersionError,
@@ -33,6 +35,7 @@ from llmq.checkpoint.reader import LoadResult, checkpoint_names, iter_checkpoint
 
 __all__ = [
     "BUNDLE_VERSION",
+    "SOURCE_FILES",
     "BundleVersionError",
     "BundleWriter",
     "CheckpointError",
@@ -55,4 +58,5 @@ __all__ = [
     "read_gguf_metadata",
     "read_manifest",
     "save_bundle",
+    "source_files",
 ]

@@ -35,6 +35,7 @@ import hashlib
 import json
 import mmap
 import os
+import re
 import shutil
 import threading
 from collections import deque
@@ -54,7 +55,7 @@ from llmq.checkpoint.errors import (
     TensorMismatchError,
     UnsupportedCheckpointError,
 )
-from llmq.checkpoint.fileio import fsync_path, write_all, write_error, write_file_atomic
+from llmq.checkpoint.fileio import copy_file, fsync_path, write_all, write_error, write_file_atomic
 from llmq.checkpoint.safetensors_io import (
     DTYPE_NAMES,
     SafetensorsFile,
@@ -77,6 +78,11 @@ JOURNAL = "journal.json"
 PARTIAL_SUFFIX = ".partial"
 REPLACED_SUFFIX = ".llmq-replaced"  # overwrite=True moves the old output here, then deletes it
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024 ** 3
+# What a bundle needs besides its weights to be used without the source folder; save_bundle's
+# extra_files copies them in (source_files lists those a Hugging Face folder has).
+SOURCE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                "special_tokens_map.json", "tokenizer.model")
+_SHARD_NAME = re.compile(r"model-\d{5}\.safetensors")
 VERIFY_AUTO_LIMIT = 4 * 1024 ** 3  # verify=None checks checksums up to this many bytes of shards
 SHARD_METADATA = {"format": "pt"}  # transformers refuses safetensors files without it
 _COPY_CHUNK = 16 * 1024 * 1024
@@ -171,6 +177,27 @@ def _describe(fqn: str, value: Value) -> Tuple[Dict[str, Any], List[Tuple[str, t
                   "entries": {"data": fqn}}
         return record, [(fqn, value)]
     raise TypeError(f"tensor {fqn!r}: expected torch.Tensor or GroupQuantizedWeight, got {type(value).__name__}")
+
+
+def source_files(folder: os.PathLike) -> List[str]:
+    """The SOURCE_FILES a checkpoint folder has (config, tokenizer, generation config), as paths."""
+    folder = os.fspath(folder)
+    return [os.path.join(folder, n) for n in SOURCE_FILES if os.path.isfile(os.path.join(folder, n))]
+
+
+def _check_extra_files(paths: Iterable[os.PathLike]) -> List[str]:
+    paths = [os.fspath(p) for p in paths]
+    names = set()
+    for path in paths:
+        name = os.path.basename(path)
+        if not os.path.isfile(path):
+            raise CheckpointNotFoundError("extra file does not exist (or is not a file)", path=path)
+        if (name in (MANIFEST, INDEX, JOURNAL) or _SHARD_NAME.fullmatch(name) or name.endswith(".tmp")
+                or name in names):
+            raise CheckpointError(f"extra file name {name!r} is taken by the bundle's own files or another extra "
+                                  "file", path=path)
+        names.add(name)
+    return paths
 
 
 def header_reserve(max_shard_bytes: int) -> int:
@@ -420,7 +447,8 @@ class BundleWriter:
 
     def __init__(self, out_dir: os.PathLike, *, recipe: Any = None, metadata: Optional[Dict[str, str]] = None,
                  max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, resume: bool = True, overwrite: bool = False,
-                 fsync: bool = True, write_queue_bytes: int = DEFAULT_WRITE_QUEUE_BYTES):
+                 fsync: bool = True, write_queue_bytes: int = DEFAULT_WRITE_QUEUE_BYTES,
+                 extra_files: Iterable[os.PathLike] = ()):
         if max_shard_bytes <= 0:
             raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
         if write_queue_bytes < 0:
@@ -431,6 +459,7 @@ class BundleWriter:
         self.max_shard_bytes = int(max_shard_bytes)
         self.reserve = header_reserve(self.max_shard_bytes)
         self.overwrite = overwrite
+        self.extra_files = _check_extra_files(extra_files)
         if os.path.exists(self.out_dir) and not overwrite:
             raise CheckpointError("output already exists; pass overwrite=True to replace it", path=self.out_dir)
         # Round-tripped through canonical JSON so a resumed run's records match a fresh run's byte for byte.
@@ -652,6 +681,12 @@ class BundleWriter:
                 tensors[fqn] = record
                 for entry in record["entries"].values():
                     weight_map[entry] = shard["file"]
+        files = []
+        for src in self.extra_files:  # copied last: a resumed run copies them again
+            name = os.path.basename(src)
+            dst = os.path.join(self.partial, name)
+            copy_file(src, dst, fsync=self.fsync)
+            files.append({"file": name, "bytes": os.path.getsize(dst), "blake3": file_digest(dst)})
         manifest = {
             "format": BUNDLE_FORMAT,
             "format_version": BUNDLE_VERSION,
@@ -661,6 +696,7 @@ class BundleWriter:
             "max_shard_bytes": self.max_shard_bytes,
             "total_bytes": sum(s["bytes"] for s in self.shards),
             "shards": [{k: s[k] for k in ("file", "bytes", "blake3")} for s in self.shards],
+            "files": sorted(files, key=lambda f: f["file"]),
             "tensors": tensors,
         }
         index = {"metadata": {"format": BUNDLE_FORMAT, "total_size": manifest["total_bytes"]},
@@ -715,15 +751,20 @@ class BundleWriter:
 def save_bundle(stream: Iterable[Tuple[str, Union[Value, Callable[[], Value]]]], out_dir: os.PathLike, *,
                 recipe: Any = None, metadata: Optional[Dict[str, str]] = None,
                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, resume: bool = True, overwrite: bool = False,
-                fsync: bool = True, write_queue_bytes: int = DEFAULT_WRITE_QUEUE_BYTES) -> str:
+                fsync: bool = True, write_queue_bytes: int = DEFAULT_WRITE_QUEUE_BYTES,
+                extra_files: Iterable[os.PathLike] = ()) -> str:
     """Write ``(fqn, tensor | GroupQuantizedWeight | callable)`` items as a bundle; return its path.
+
+    ``extra_files`` (e.g. ``source_files(hf_folder)``: config.json, tokenizer files) are copied
+    into the bundle and recorded in the manifest's "files" with their size and BLAKE3 hash.
 
     Peak memory is the tensor in flight plus at most ``write_queue_bytes`` of tensors
     queued for the background writer (and a 16 MiB hashing buffer), not the shard or
     the model. A tensor larger than max_shard_bytes gets a shard of its own.
     """
     writer = BundleWriter(out_dir, recipe=recipe, metadata=metadata, max_shard_bytes=max_shard_bytes,
-                          resume=resume, overwrite=overwrite, fsync=fsync, write_queue_bytes=write_queue_bytes)
+                          resume=resume, overwrite=overwrite, fsync=fsync, write_queue_bytes=write_queue_bytes,
+                          extra_files=extra_files)
     try:
         for fqn, value in stream:
             writer.add(fqn, value)
@@ -799,6 +840,14 @@ def read_manifest(path: os.PathLike) -> Dict[str, Any]:
             raise CorruptCheckpointError(f"shard {s['file']!r} must be a plain file name inside the bundle",
                                          path=mpath)
         names.add(s["file"])
+    files = manifest.get("files", [])
+    if not isinstance(files, list):
+        raise CorruptCheckpointError('manifest "files" must be a list', path=mpath)
+    for s in files:
+        if (not isinstance(s, dict) or not isinstance(s.get("file"), str) or not isinstance(s.get("bytes"), int)
+                or not isinstance(s.get(checksum), str) or os.path.basename(s["file"]) != s["file"]
+                or s["file"] in ("", ".", "..") or s["file"] in names):
+            raise CorruptCheckpointError(f"bad file record {s!r}"[:300], path=mpath)
     for fqn, rec in tensors.items():
         if (not isinstance(rec, dict) or rec.get("kind") not in ("dense", "group_quantized")
                 or rec.get("shard") not in names or not isinstance(rec.get("entries"), dict)
@@ -860,6 +909,8 @@ def iter_bundle(path: os.PathLike, *, verify: Optional[bool] = None, output: str
         unknown = sorted(wanted - set(manifest["tensors"]))
         if unknown:
             raise CheckpointNotFoundError(f"bundle has no tensors {unknown[:10]}", path=folder, tensor=unknown[0])
+    for record in manifest.get("files", []):  # config and tokenizer files: size always, hash if verify
+        _check_file(folder, record, CHECKSUM_KEY[manifest["format_version"]] if verify else None)
     current: Optional[SafetensorsFile] = None
     try:
         for fqn, rec in manifest["tensors"].items():
@@ -886,18 +937,23 @@ def iter_bundle(path: os.PathLike, *, verify: Optional[bool] = None, output: str
 
 def _open_shard(folder: str, shard: Dict[str, Any], checksum: Optional[str]) -> SafetensorsFile:
     """Open one shard after checking its size and, if ``checksum`` names the algorithm, its digest."""
+    return SafetensorsFile(_check_file(folder, shard, checksum))
+
+
+def _check_file(folder: str, shard: Dict[str, Any], checksum: Optional[str]) -> str:
+    """A manifest record's file path, after checking its size and, if ``checksum`` names the algorithm, its digest."""
     full = os.path.join(folder, shard["file"])
     if not os.path.isfile(full):
-        raise CheckpointNotFoundError("shard listed in the manifest is missing", path=full)
+        raise CheckpointNotFoundError("file listed in the manifest is missing", path=full)
     size = os.path.getsize(full)
     if size != shard["bytes"]:
-        raise ChecksumError(f"shard is {size} bytes, manifest says {shard['bytes']}", path=full)
+        raise ChecksumError(f"is {size} bytes, manifest says {shard['bytes']}", path=full)
     if checksum:
         got = file_digest(full, checksum)
         if got != shard[checksum]:
             raise ChecksumError(f"{checksum} checksum {got} differs from the manifest's {shard[checksum]}",
                                 path=full)
-    return SafetensorsFile(full)
+    return full
 
 
 def load_bundle(path: os.PathLike, *, verify: Optional[bool] = None, output: str = "canonical",

@@ -256,3 +256,51 @@ def test_a_second_run_into_the_same_output_is_refused_without_touching_anything(
     assert folder_digest(out) == reference and not (tmp_path / "out.partial").exists()
     with pytest.raises(CheckpointError, match="already exists"):
         save_bundle(stream(), out, max_shard_bytes=SHARD, fsync=False)
+
+
+# -- 7. config and tokenizer files travel with the bundle ------------------------------------------------
+
+def test_source_files_are_copied_and_recorded_with_their_hashes(tmp_path):
+    from llmq.checkpoint import SOURCE_FILES, ChecksumError, source_files
+    from llmq.checkpoint.bundle import file_digest
+
+    src = tmp_path / "hf"
+    src.mkdir()
+    contents = {"config.json": b'{"model_type": "x"}', "tokenizer.json": b'{"v": 1}',
+                "tokenizer.model": bytes(range(256)) * 5, "notes.md": b"not a source file"}
+    for name, data in contents.items():
+        (src / name).write_bytes(data)
+    os.chmod(src / "tokenizer.json", 0o600)
+    found = source_files(src)
+    assert [os.path.basename(p) for p in found] == [n for n in SOURCE_FILES if n in contents]
+    out = save_bundle(stream(), tmp_path / "out", max_shard_bytes=SHARD, fsync=False, extra_files=found)
+    files = read_manifest(out)["files"]
+    assert [f["file"] for f in files] == ["config.json", "tokenizer.json", "tokenizer.model"]
+    for record in files:
+        copy = os.path.join(out, record["file"])
+        assert open(copy, "rb").read() == contents[record["file"]]
+        assert record["bytes"] == len(contents[record["file"]]) and record["blake3"] == file_digest(copy)
+        assert os.stat(copy).st_mode & 0o777 == 0o666 & ~_umask()
+    assert not os.path.exists(os.path.join(out, "notes.md"))
+    load_bundle(out, verify=True)
+    with open(os.path.join(out, "tokenizer.json"), "r+b") as f:
+        f.write(b"[")
+    with pytest.raises(ChecksumError, match="tokenizer.json: blake3 checksum"):
+        load_bundle(out, verify=True)
+
+
+def test_extra_files_that_would_shadow_the_bundle_are_refused(tmp_path):
+    for name in ("llmq_manifest.json", "model.safetensors.index.json", "model-00001.safetensors"):
+        bad = tmp_path / name
+        bad.write_text("{}")
+        with pytest.raises(CheckpointError, match=f"{name}: extra file name"):
+            save_bundle(stream(), tmp_path / "out", fsync=False, extra_files=[bad])
+    with pytest.raises(CheckpointError, match="missing.json: extra file does not exist"):
+        save_bundle(stream(), tmp_path / "out", fsync=False, extra_files=[tmp_path / "missing.json"])
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
+
+
+def _umask():
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
