@@ -60,6 +60,8 @@ flags.DEFINE_boolean("float32", True, "Cast the model's dense tensors (bf16 in a
 # guards against (a stale position, a wrong cache slot, a window off by one) move logits by >= 1e-3
 # relative, about 10^4 eps in float32.
 TOLERANCE_EPS = 16
+if "overwrite" not in FLAGS:  # quantize_and_save may define it too (same meaning: replace an existing --out)
+    flags.DEFINE_boolean("overwrite", False, "Replace the files of an existing --out folder.")
 if "use_moe_quantized_op" not in FLAGS:  # quantize_and_save may define it too (same meaning: use the op)
     flags.DEFINE_boolean("use_moe_quantized_op", False, "Swap MoE blocks for torch.ops.llmq.quantized_moe_ffn "
                          "(llmq.ops; needs the compiled kernel) before export.")
@@ -346,8 +348,12 @@ def _graph_nodes(program) -> int:
 def run(arch: Architecture, make_layout: Callable[[nn.Module, int], StaticCacheLayout], *, dynamic_prompt: bool,
         bundle: Optional[str] = None, checkpoint: Optional[str] = None, recipe: Optional[str] = None,
         out: Optional[str] = None, max_seq_len: int = 128, decode_steps: int = 4, prompt_len: int = 8, seed: int = 0,
-        float32: bool = True, use_moe_quantized_op: bool = False, quiet: bool = False) -> Dict:
-    """Build the quantized model, export, save, load, compare; returns the numbers it printed."""
+        float32: bool = True, use_moe_quantized_op: bool = False, quiet: bool = False, overwrite: bool = False) -> Dict:
+    """Build the quantized model, export, save, load, compare; returns the numbers it printed.
+
+    An existing non-empty `out` is refused before any work unless `overwrite`."""
+    if out is not None and os.path.exists(out) and not overwrite and (not os.path.isdir(out) or os.listdir(out)):
+        raise quantize_and_save.UsageError(f"--out {out} already exists; pass --overwrite to replace its files")
     if prompt_len + decode_steps > max_seq_len:
         raise quantize_and_save.UsageError(f"--prompt_len {prompt_len} + --decode_steps {decode_steps} exceeds "
                                            f"--max_seq_len {max_seq_len} (the cache capacity)")
@@ -439,7 +445,8 @@ def main_for(arch: Architecture, make_layout: Callable[[nn.Module, int], StaticC
             result = run(arch, make_layout, dynamic_prompt=dynamic_prompt, bundle=user_path(FLAGS.bundle),
                          checkpoint=user_path(FLAGS.checkpoint), recipe=recipe, out=user_path(FLAGS.out),
                          max_seq_len=FLAGS.max_seq_len, decode_steps=FLAGS.decode_steps, prompt_len=FLAGS.prompt_len,
-                         seed=FLAGS.seed, float32=FLAGS.float32, use_moe_quantized_op=FLAGS.use_moe_quantized_op)
+                         seed=FLAGS.seed, float32=FLAGS.float32, use_moe_quantized_op=FLAGS.use_moe_quantized_op,
+                         overwrite=FLAGS.overwrite)
         except (quantize_and_save.UsageError, CheckpointError, ValueError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

@@ -169,3 +169,27 @@ def test_cache_capacity_is_checked_before_any_work():
     with pytest.raises(quantize_and_save.UsageError, match="exceeds --max_seq_len 8"):
         export_pt2.run(gemma_export.ARCHITECTURE, gemma_export.cache_layout, dynamic_prompt=True, max_seq_len=8,
                        prompt_len=6, decode_steps=4)
+
+
+def test_an_existing_out_is_refused_before_any_work_unless_overwrite(tmp_path):
+    out = tmp_path / "export"
+    out.mkdir()
+    (out / "prefill.pt2").write_bytes(b"an earlier export")
+    with pytest.raises(quantize_and_save.UsageError, match=f"^--out {out} already exists; pass --overwrite"):
+        export_pt2.run(gemma_export.ARCHITECTURE, gemma_export.cache_layout, dynamic_prompt=True, out=str(out))
+    assert (out / "prefill.pt2").read_bytes() == b"an earlier export"
+
+
+def test_the_export_binary_refuses_an_existing_out_with_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    out = tmp_path / "export"
+    out.mkdir()
+    (out / "prefill.pt2").write_bytes(b"an earlier export")
+    proc = subprocess.run([sys.executable, "-m", "models.gemma4.export", f"--out={out}"], capture_output=True,
+                          timeout=300, env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    assert proc.returncode == 2, proc.stderr.decode()[-2000:]
+    assert proc.stderr.decode().splitlines() == [f"error: --out {out} already exists; pass --overwrite to replace "
+                                                 "its files"]
+    assert (out / "prefill.pt2").read_bytes() == b"an earlier export"

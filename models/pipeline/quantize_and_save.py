@@ -18,7 +18,8 @@ from typing import Dict, Iterator, Optional, Tuple
 import torch
 from absl import app, flags
 
-from llmq.checkpoint import CheckpointError, checkpoint_names, iter_checkpoint, load_bundle, save_bundle
+from llmq.checkpoint import (CheckpointError, checkpoint_names, iter_checkpoint, load_bundle, save_bundle,
+                             source_files)
 from llmq.quant import QuantRecipe, is_quantized, load_recipe, quantize_stream, register_preset
 from llmq.quant.formats import nbytes_of
 from models.pipeline import gguf_input
@@ -180,7 +181,8 @@ def run(arch: Architecture, *, checkpoint: Optional[str], recipe: Optional[str],
             bundle = _write_mlx(arch, stream, out, hf_config, checkpoint, embedded, config, max_shard_size)
         else:
             bundle = save_bundle(stream, out, recipe=quant_recipe, max_shard_bytes=max_shard_size, resume=resume,
-                                 metadata={"architecture": arch.name, "backend": backend, "recipe": recipe_name})
+                                 metadata={"architecture": arch.name, "backend": backend, "recipe": recipe_name},
+                                 extra_files=() if from_gguf else source_files(checkpoint))  # config, tokenizer
         seconds = time.perf_counter() - start
         for note in gguf_notes:
             print(f"note: {note}")
@@ -289,6 +291,8 @@ def _write_mlx(arch: Architecture, stream, out: str, hf_config: Dict, checkpoint
     try:
         return str(mlx_backend.write_mlx_folder(out, stream, arch, hf_config, tokenizer=tokenizer,
                                                 max_shard_bytes=max_shard_size))
+    except CheckpointError:  # a failed write, already one line naming the file
+        raise
     except ValueError as e:  # a config or tensor mlx-lm cannot express
         raise UsageError(f"--backend mlx: {e}") from None
 

@@ -28,6 +28,7 @@ run never leaves a folder that looks finished. Same input -> byte-identical file
 from __future__ import annotations
 
 import collections
+import errno
 import json
 import os
 import shutil
@@ -37,6 +38,7 @@ from typing import Dict, Iterable, Optional, Sequence, Tuple, Union
 
 import torch
 
+from llmq.checkpoint.fileio import copy_file, write_error, write_file_atomic
 from llmq.checkpoint.shard_file import StreamingShardFile, header_reserve
 from llmq.quant.formats import GroupQuantizedWeight
 
@@ -121,9 +123,8 @@ class _ShardWriter:
                 "metadata": {"total_size": self.total_bytes},
                 "weight_map": {k: names[i] for k, i in sorted(self.weight_map.items())},
             }
-            with open(self.folder / "model.safetensors.index.json", "w") as f:
-                json.dump(index, f, indent=2)
-                f.write("\n")
+            write_file_atomic(str(self.folder / "model.safetensors.index.json"),
+                              (json.dumps(index, indent=2) + "\n").encode(), fsync=False)
         return names
 
 
@@ -154,11 +155,12 @@ def write_mlx_lm_folder(
         if not p.is_file():
             raise FileNotFoundError(f"tokenizer file {p} does not exist")
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the result should not be
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+        os.chmod(tmp, umask_mode(0o777))  # mkdtemp makes it private; the result should not be
+    except OSError as e:
+        raise write_error(e, str(out.parent), "creating a folder") from None
     try:
         shards = _ShardWriter(tmp, max_shard_bytes)
         params: Dict[str, Dict[str, object]] = {}
@@ -187,17 +189,21 @@ def write_mlx_lm_folder(
         if section is not None:
             cfg["quantization"] = section
             cfg["quantization_config"] = section
-        with open(tmp / "config.json", "w") as f:
-            json.dump(cfg, f, indent=2, sort_keys=True)
-            f.write("\n")
+        write_file_atomic(str(tmp / "config.json"), (json.dumps(cfg, indent=2, sort_keys=True) + "\n").encode(),
+                          fsync=False)
         for p in tokenizer_files:
             if p.name in ("config.json",) or p.name.startswith("model"):
                 raise ValueError(f"tokenizer file {p} would overwrite the model's own {p.name}")
-            shutil.copyfile(p, tmp / p.name)
+            copy_file(str(p), str(tmp / p.name), fsync=False)
 
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        try:
+            if overwrite and out.exists():
+                shutil.rmtree(out)
+            os.replace(tmp, out)  # never onto a folder with files in it
+        except OSError as e:
+            if e.errno in (errno.ENOTEMPTY, errno.EEXIST):  # another run published it meanwhile
+                raise FileExistsError(f"{out} already exists (written by another run meanwhile)") from None
+            raise write_error(e, str(out), "renaming into place") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -9,11 +9,13 @@ Public API (see docs/checkpoint.md):
 from llmq.checkpoint.bundle import (
     BASE_BUNDLE_VERSION,
     BUNDLE_VERSION,
+    SOURCE_FILES,
     BundleWriter,
     iter_bundle,
     load_bundle,
     read_manifest,
     save_bundle,
+    source_files,
 )
 from llmq.checkpoint.errors import (
     BundleVersionError,
@@ -23,6 +25,8 @@ from llmq.checkpoint.errors import (
     CorruptCheckpointError,
     MissingTensorsError,
     NonFiniteWeightError,
+    OutputBusyError,
+    OutputWriteError,
     ResumeMismatchError,
     TensorMismatchError,
     UnsupportedCheckpointError,
@@ -33,6 +37,7 @@ from llmq.checkpoint.reader import LoadResult, checkpoint_names, iter_checkpoint
 __all__ = [
     "BASE_BUNDLE_VERSION",
     "BUNDLE_VERSION",
+    "SOURCE_FILES",
     "BundleVersionError",
     "BundleWriter",
     "CheckpointError",
@@ -42,6 +47,8 @@ __all__ = [
     "LoadResult",
     "MissingTensorsError",
     "NonFiniteWeightError",
+    "OutputBusyError",
+    "OutputWriteError",
     "ResumeMismatchError",
     "TensorMismatchError",
     "UnsupportedCheckpointError",
@@ -53,4 +60,5 @@ __all__ = [
     "read_gguf_metadata",
     "read_manifest",
     "save_bundle",
+    "source_files",
 ]

@@ -29,10 +29,13 @@ Written incrementally and crash-safely (format: docs/checkpoint.md):
 from __future__ import annotations
 
 import dataclasses
+import errno
+import fcntl
 import hashlib
 import json
 import mmap
 import os
+import re
 import shutil
 import threading
 from collections import deque
@@ -47,10 +50,12 @@ from llmq.checkpoint.errors import (
     CheckpointNotFoundError,
     ChecksumError,
     CorruptCheckpointError,
+    OutputBusyError,
     ResumeMismatchError,
     TensorMismatchError,
     UnsupportedCheckpointError,
 )
+from llmq.checkpoint.fileio import copy_file, fsync_path, write_all, write_error, write_file_atomic
 from llmq.checkpoint.safetensors_io import (
     DTYPE_NAMES,
     SafetensorsFile,
@@ -76,7 +81,13 @@ MANIFEST = "llmq_manifest.json"
 INDEX = "model.safetensors.index.json"
 JOURNAL = "journal.json"
 PARTIAL_SUFFIX = ".partial"
+REPLACED_SUFFIX = ".llmq-replaced"  # overwrite=True moves the old output here, then deletes it
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024 ** 3
+# What a bundle needs besides its weights to be used without the source folder; save_bundle's
+# extra_files copies them in (source_files lists those a Hugging Face folder has).
+SOURCE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                "special_tokens_map.json", "tokenizer.model")
+_SHARD_NAME = re.compile(r"model-\d{5}\.safetensors")
 VERIFY_AUTO_LIMIT = 4 * 1024 ** 3  # verify=None checks checksums up to this many bytes of shards
 SHARD_METADATA = {"format": "pt"}  # transformers refuses safetensors files without it
 _COPY_CHUNK = 16 * 1024 * 1024
@@ -86,7 +97,6 @@ DEFAULT_WRITE_QUEUE_BYTES = 64 * 1024 * 1024  # tensor bytes queued for the writ
 # many bytes, so the disk writes while the next tensors are read and quantized instead of
 # all at the end (the kernel alone would start only at dirty_background_ratio, GBs later).
 _FLUSH_EVERY = 128 * 1024 * 1024
-_MAX_WRITE = 1 << 30  # Linux writes at most 0x7ffff000 bytes per call; longer writes loop
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -134,29 +144,17 @@ def _library_versions() -> Dict[str, str]:
 
 
 def _fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        fsync_path(path)
+    except OSError as e:
+        raise write_error(e, path, "fsync") from None
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+_fsync_dir = _fsync_file
 
 
 def _write_atomic(path: str, data: bytes, *, fsync: bool) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        if fsync:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_file_atomic(path, data, fsync=fsync)
 
 
 def _tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -214,6 +212,27 @@ def _record_format(rec: Dict[str, Any]) -> Optional[Format]:
 
 def _written_version(tensors: Dict[str, Dict[str, Any]]) -> int:
     return BUNDLE_VERSION if any(r["kind"] == "quantized" for r in tensors.values()) else BASE_BUNDLE_VERSION
+
+
+def source_files(folder: os.PathLike) -> List[str]:
+    """The SOURCE_FILES a checkpoint folder has (config, tokenizer, generation config), as paths."""
+    folder = os.fspath(folder)
+    return [os.path.join(folder, n) for n in SOURCE_FILES if os.path.isfile(os.path.join(folder, n))]
+
+
+def _check_extra_files(paths: Iterable[os.PathLike]) -> List[str]:
+    paths = [os.fspath(p) for p in paths]
+    names = set()
+    for path in paths:
+        name = os.path.basename(path)
+        if not os.path.isfile(path):
+            raise CheckpointNotFoundError("extra file does not exist (or is not a file)", path=path)
+        if (name in (MANIFEST, INDEX, JOURNAL) or _SHARD_NAME.fullmatch(name) or name.endswith(".tmp")
+                or name in names):
+            raise CheckpointError(f"extra file name {name!r} is taken by the bundle's own files or another extra "
+                                  "file", path=path)
+        names.add(name)
+    return paths
 
 
 def header_reserve(max_shard_bytes: int) -> int:
@@ -297,10 +316,6 @@ class _Worker:
                     self._cv.notify_all()
 
 
-def _os_error(e: OSError, what: str, path: str, tensor: Optional[str] = None) -> CheckpointError:
-    return CheckpointError(f"{what} failed: {e.strerror or e}", path=path, tensor=tensor)
-
-
 class _ShardBuilder:
     """One shard being filled: tensor bytes are written in arrival order after a reserved header gap.
 
@@ -370,21 +385,16 @@ class _ShardBuilder:
             try:
                 self._fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
             except OSError as e:
-                raise _os_error(e, "creating the shard", self.tmp) from None
+                raise write_error(e, self.tmp, "creating the shard") from None
         return self._fd
 
     def write(self, writes: List[Tuple[str, int, memoryview]], sync: Optional["_Worker"]) -> None:
         fd = self._open()
         for entry, offset, mv in writes:
-            done = 0
             try:
-                while done < len(mv):
-                    n = os.pwrite(fd, mv[done:done + _MAX_WRITE], offset + done)
-                    if n <= 0:
-                        raise OSError(0, "the disk accepted no bytes")
-                    done += n
+                write_all(fd, mv, offset)
             except OSError as e:
-                raise _os_error(e, "writing", self.tmp, tensor=entry) from None
+                raise write_error(e, self.tmp, "writing", tensor=entry) from None
             self._unflushed += len(mv)
         if sync is not None and self._unflushed >= _FLUSH_EVERY and sync.idle():
             self._unflushed = 0
@@ -396,9 +406,9 @@ class _ShardBuilder:
         waits on the disk while the shard is hashed and the next one filled)."""
         fd = self._open()
         try:
-            os.pwrite(fd, header, 0)
+            write_all(fd, header, 0)
         except OSError as e:
-            raise _os_error(e, "writing the header", self.tmp) from None
+            raise write_error(e, self.tmp, "writing the header") from None
         self._fd = None
         if sync is None:
             os.close(fd)
@@ -408,12 +418,18 @@ class _ShardBuilder:
     def seal(self) -> Dict[str, Any]:
         """Hash the finished file and rename it into place; return its journal record."""
         final = os.path.join(self.folder, self.file)
+        size = self.reserve + self.nbytes
         try:
+            # Every byte was written (write_all) before this; a file of another size would hold a
+            # hole that reading through mmap turns into SIGBUS on a full tmpfs, so it is refused.
+            if os.path.getsize(self.tmp) != size:
+                raise CheckpointError(f"is {os.path.getsize(self.tmp)} bytes after writing, expected {size}",
+                                      path=self.tmp)
             digest = file_digest(self.tmp)  # read back from the page cache: cheaper than a second copy
             os.replace(self.tmp, final)
         except OSError as e:
-            raise _os_error(e, "hashing and renaming", self.tmp) from None
-        return {"file": self.file, "bytes": self.reserve + self.nbytes, "blake3": digest, "tensors": self.tensors}
+            raise write_error(e, self.tmp, "hashing and renaming") from None
+        return {"file": self.file, "bytes": size, "blake3": digest, "tensors": self.tensors}
 
     def discard(self) -> None:
         if self._fd is not None:
@@ -421,6 +437,14 @@ class _ShardBuilder:
             self._fd = None
         if os.path.exists(self.tmp):
             os.unlink(self.tmp)
+
+
+def _checked(fn: Callable[..., Any], path: str, *args: Any, what: str, **kwargs: Any) -> Any:
+    """fn(path, *args, **kwargs); an OSError becomes one OutputWriteError line naming ``path``."""
+    try:
+        return fn(path, *args, **kwargs)
+    except OSError as e:
+        raise write_error(e, path, what) from None
 
 
 def _discard_on_error(shard: _ShardBuilder, fn: Callable[..., Any], *args: Any) -> Any:
@@ -440,7 +464,7 @@ def _fsync_fd(fd: int, path: str, data_only: bool = False) -> None:
     try:
         (os.fdatasync if data_only else os.fsync)(fd)
     except OSError as e:
-        raise _os_error(e, "fsync", path) from None
+        raise write_error(e, path, "fsync") from None
     finally:
         os.close(fd)
 
@@ -458,7 +482,8 @@ class BundleWriter:
 
     def __init__(self, out_dir: os.PathLike, *, recipe: Any = None, metadata: Optional[Dict[str, str]] = None,
                  max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, resume: bool = True, overwrite: bool = False,
-                 fsync: bool = True, write_queue_bytes: int = DEFAULT_WRITE_QUEUE_BYTES):
+                 fsync: bool = True, write_queue_bytes: int = DEFAULT_WRITE_QUEUE_BYTES,
+                 extra_files: Iterable[os.PathLike] = ()):
         if max_shard_bytes <= 0:
             raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
         if write_queue_bytes < 0:
@@ -469,6 +494,7 @@ class BundleWriter:
         self.max_shard_bytes = int(max_shard_bytes)
         self.reserve = header_reserve(self.max_shard_bytes)
         self.overwrite = overwrite
+        self.extra_files = _check_extra_files(extra_files)
         if os.path.exists(self.out_dir) and not overwrite:
             raise CheckpointError("output already exists; pass overwrite=True to replace it", path=self.out_dir)
         # Round-tripped through canonical JSON so a resumed run's records match a fresh run's byte for byte.
@@ -478,12 +504,16 @@ class BundleWriter:
         self._replay: List[Tuple[str, Dict[str, Any]]] = []
         self._pos = 0
         self._names: Dict[str, str] = {}  # entry name -> fqn, to refuse collisions
-        os.makedirs(os.path.dirname(self.out_dir) or ".", exist_ok=True)
-        if os.path.isdir(self.partial):
+        _checked(os.makedirs, os.path.dirname(self.out_dir) or ".", exist_ok=True, what="creating the folder")
+        self._lock_fd = self._lock()
+        try:
+            if os.path.exists(self.out_dir) and not overwrite:  # published while we waited for the lock
+                raise CheckpointError("output already exists; pass overwrite=True to replace it", path=self.out_dir)
             self._recover(resume)
-        else:
-            os.makedirs(self.partial)
-        self._journal()
+            self._journal()
+        except BaseException:
+            self._unlock()
+            raise
         self._resumed = len(self.shards)
         self._placed_shards = len(self.shards)  # shards closed in the caller's thread (maybe not yet on disk)
         self._shard = _ShardBuilder(self.partial, self._placed_shards + 1, self.reserve)
@@ -492,20 +522,60 @@ class BundleWriter:
         self._syncer = _Worker("llmq-bundle-fsync", float("inf")) if fsync else None
         self._stopped = False
 
-    # -- resume ---------------------------------------------------------------------------------------
+    # -- the lock and resume ---------------------------------------------------------------------------
+    def _lock(self) -> int:
+        """Create (or reuse) ``<out>.partial`` and hold an exclusive flock on it until close/abort.
+
+        The lock is on the folder itself, so nothing extra is written; the holder's pid is in
+        its journal. A second run into the same output is refused without touching anything."""
+        _checked(os.makedirs, self.partial, exist_ok=True, what="creating the folder")
+        fd = _checked(os.open, self.partial, os.O_RDONLY | os.O_DIRECTORY, what="opening the folder")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            same = os.path.isdir(self.partial) and os.stat(self.partial).st_ino == os.fstat(fd).st_ino
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                os.close(fd)
+                raise write_error(e, self.partial, "locking") from None
+            same = False
+        if not same:  # held by another run, or that run published it while we looked
+            os.close(fd)
+            raise OutputBusyError(f"another llmq run is writing there ({self._holder()})", path=self.out_dir)
+        return fd
+
+    def _holder(self) -> str:
+        try:
+            with open(os.path.join(self.partial, JOURNAL), "rb") as f:
+                pid = json.loads(f.read()).get("pid")
+        except (OSError, ValueError, AttributeError):
+            pid = None
+        return f"pid {pid}" if isinstance(pid, int) else "pid not recorded yet"
+
+    def _unlock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # releases the flock
+            self._lock_fd = None
+
     def _recover(self, resume: bool) -> None:
+        """Keep what an interrupted run left (finished shards named in its journal), or start over;
+        a folder without llmq's journal but with files in it is somebody else's: refused."""
         journal_path = os.path.join(self.partial, JOURNAL)
         journal = None
-        if resume and os.path.isfile(journal_path):
+        if os.path.isfile(journal_path):
             try:
                 with open(journal_path, "rb") as f:
                     journal = json.loads(f.read())
-            except ValueError:
-                journal = None  # torn journal: start over
-        if (not resume or not isinstance(journal, dict) or journal.get("format_version") != _JOURNAL_VERSION
-                or not isinstance(journal.get("shards"), list)):
-            shutil.rmtree(self.partial)
-            os.makedirs(self.partial)
+            except (OSError, ValueError):
+                journal = None
+        ours = isinstance(journal, dict) and isinstance(journal.get("shards"), list) and "settings" in journal
+        if not ours:
+            foreign = sorted(n for n in os.listdir(self.partial) if n != JOURNAL + ".tmp")
+            if foreign:
+                raise CheckpointError(
+                    f"exists without an llmq journal (holds {foreign[0]!r}{' ...' if len(foreign) > 1 else ''}), "
+                    "so it is not an interrupted llmq run; move it away or delete it", path=self.partial)
+        if not ours or not resume or journal.get("format_version") != _JOURNAL_VERSION:
+            self._clear(set())
             return
         if journal.get("settings") != self.settings:
             raise ResumeMismatchError(
@@ -527,13 +597,19 @@ class BundleWriter:
                 self._replay.append((fqn, record))
                 for entry in record["entries"].values():
                     self._names[entry] = fqn
+        self._clear(keep)
+
+    def _clear(self, keep: set) -> None:
+        """Delete everything in the (locked, llmq-owned) partial folder but ``keep``."""
         for name in os.listdir(self.partial):
             if name not in keep:
                 full = os.path.join(self.partial, name)
-                shutil.rmtree(full) if os.path.isdir(full) else os.unlink(full)
+                _checked(shutil.rmtree if os.path.isdir(full) and not os.path.islink(full) else os.unlink, full,
+                         what="removing")
 
     def _journal(self) -> None:
-        data = {"format_version": _JOURNAL_VERSION, "settings": self.settings, "shards": self.shards}
+        data = {"format_version": _JOURNAL_VERSION, "settings": self.settings, "shards": self.shards,
+                "pid": os.getpid()}
         _write_atomic(os.path.join(self.partial, JOURNAL), _canonical_json(data), fsync=self.fsync)
 
     def completed(self) -> List[str]:
@@ -613,6 +689,12 @@ class BundleWriter:
 
     def close(self) -> str:
         """Finish the last shard, write index + manifest, and rename the folder into place."""
+        try:
+            return self._close()
+        finally:
+            self._unlock()
+
+    def _close(self) -> str:
         if self._stopped:
             raise CheckpointError("this writer was already closed or aborted", path=self.partial)
         if self._pos != len(self._replay):
@@ -634,6 +716,12 @@ class BundleWriter:
                 tensors[fqn] = record
                 for entry in record["entries"].values():
                     weight_map[entry] = shard["file"]
+        files = []
+        for src in self.extra_files:  # copied last: a resumed run copies them again
+            name = os.path.basename(src)
+            dst = os.path.join(self.partial, name)
+            copy_file(src, dst, fsync=self.fsync)
+            files.append({"file": name, "bytes": os.path.getsize(dst), "blake3": file_digest(dst)})
         manifest = {
             "format": BUNDLE_FORMAT,
             "format_version": _written_version(tensors),
@@ -643,6 +731,7 @@ class BundleWriter:
             "max_shard_bytes": self.max_shard_bytes,
             "total_bytes": sum(s["bytes"] for s in self.shards),
             "shards": [{k: s[k] for k in ("file", "bytes", "blake3")} for s in self.shards],
+            "files": sorted(files, key=lambda f: f["file"]),
             "tensors": tensors,
         }
         index = {"metadata": {"format": BUNDLE_FORMAT, "total_size": manifest["total_bytes"]},
@@ -650,22 +739,30 @@ class BundleWriter:
         _write_atomic(os.path.join(self.partial, INDEX), json.dumps(index, indent=1).encode(), fsync=self.fsync)
         _write_atomic(os.path.join(self.partial, MANIFEST), json.dumps(manifest, indent=1).encode(),
                       fsync=self.fsync)
-        os.unlink(os.path.join(self.partial, JOURNAL))
+        # The journal stays until the folder is in place: a kill anywhere before the rename
+        # leaves a partial folder that resumes with every shard kept.
         if self.fsync:  # everything durable before the folder can look complete
             for shard in self.shards[:self._resumed]:  # the fsync thread did this run's shards
                 _fsync_file(os.path.join(self.partial, shard["file"]))
             _fsync_dir(self.partial)
-        old = None
-        if os.path.exists(self.out_dir):  # overwrite=True: move the old one aside, then swap
-            old = self.out_dir + ".old"
+        old = self.out_dir + REPLACED_SUFFIX  # only ever made here: a leftover is an interrupted swap's
+        if os.path.exists(self.out_dir):
+            if not self.overwrite:
+                raise CheckpointError("output already exists; pass overwrite=True to replace it", path=self.out_dir)
             if os.path.exists(old):
-                shutil.rmtree(old)
-            os.rename(self.out_dir, old)
-        os.rename(self.partial, self.out_dir)
+                _checked(shutil.rmtree, old, what="removing")
+            _checked(os.rename, self.out_dir, old, what="moving the old output aside")
+        _checked(os.rename, self.partial, self.out_dir, what="renaming into place")
         if self.fsync:
             _fsync_dir(os.path.dirname(self.out_dir))
-        if old:
-            shutil.rmtree(old)
+        # A kill from here on leaves a complete bundle; at worst it still holds journal.json, which
+        # no reader looks at.
+        _checked(os.unlink, os.path.join(self.out_dir, JOURNAL), what="removing the journal")
+        if self.fsync:
+            _fsync_dir(self.out_dir)
+        self._unlock()
+        if os.path.exists(old):
+            _checked(shutil.rmtree, old, what="removing the replaced output")
         return self.out_dir
 
     def abort(self) -> None:
@@ -675,24 +772,34 @@ class BundleWriter:
             self._drain()
         except BaseException:
             pass  # the caller is already handling an error; this one was (or will be) reported
-        self._shard.discard()
-        for name in os.listdir(self.partial):  # shards whose jobs were dropped after a failure
-            if name.endswith(".safetensors.tmp"):
-                os.unlink(os.path.join(self.partial, name))
+        try:
+            self._shard.discard()
+            for name in os.listdir(self.partial):  # shards whose jobs were dropped after a failure
+                if name.endswith(".safetensors.tmp"):
+                    os.unlink(os.path.join(self.partial, name))
+        except OSError:
+            pass  # as above: the error being handled is the one to report
+        finally:
+            self._unlock()
 
 
 def save_bundle(stream: Iterable[Tuple[str, Union[Value, Callable[[], Value]]]], out_dir: os.PathLike, *,
                 recipe: Any = None, metadata: Optional[Dict[str, str]] = None,
                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, resume: bool = True, overwrite: bool = False,
-                fsync: bool = True, write_queue_bytes: int = DEFAULT_WRITE_QUEUE_BYTES) -> str:
+                fsync: bool = True, write_queue_bytes: int = DEFAULT_WRITE_QUEUE_BYTES,
+                extra_files: Iterable[os.PathLike] = ()) -> str:
     """Write ``(fqn, tensor | GroupQuantizedWeight | callable)`` items as a bundle; return its path.
+
+    ``extra_files`` (e.g. ``source_files(hf_folder)``: config.json, tokenizer files) are copied
+    into the bundle and recorded in the manifest's "files" with their size and BLAKE3 hash.
 
     Peak memory is the tensor in flight plus at most ``write_queue_bytes`` of tensors
     queued for the background writer (and a 16 MiB hashing buffer), not the shard or
     the model. A tensor larger than max_shard_bytes gets a shard of its own.
     """
     writer = BundleWriter(out_dir, recipe=recipe, metadata=metadata, max_shard_bytes=max_shard_bytes,
-                          resume=resume, overwrite=overwrite, fsync=fsync, write_queue_bytes=write_queue_bytes)
+                          resume=resume, overwrite=overwrite, fsync=fsync, write_queue_bytes=write_queue_bytes,
+                          extra_files=extra_files)
     try:
         for fqn, value in stream:
             writer.add(fqn, value)
@@ -768,6 +875,14 @@ def read_manifest(path: os.PathLike) -> Dict[str, Any]:
             raise CorruptCheckpointError(f"shard {s['file']!r} must be a plain file name inside the bundle",
                                          path=mpath)
         names.add(s["file"])
+    files = manifest.get("files", [])
+    if not isinstance(files, list):
+        raise CorruptCheckpointError('manifest "files" must be a list', path=mpath)
+    for s in files:
+        if (not isinstance(s, dict) or not isinstance(s.get("file"), str) or not isinstance(s.get("bytes"), int)
+                or not isinstance(s.get(checksum), str) or os.path.basename(s["file"]) != s["file"]
+                or s["file"] in ("", ".", "..") or s["file"] in names):
+            raise CorruptCheckpointError(f"bad file record {s!r}"[:300], path=mpath)
     for fqn, rec in tensors.items():
         if (not isinstance(rec, dict) or (rec.get("kind") != "dense" and _record_format(rec) is None)
                 or (rec.get("kind") == "quantized" and version < 3)
@@ -832,6 +947,8 @@ def iter_bundle(path: os.PathLike, *, verify: Optional[bool] = None, output: str
         unknown = sorted(wanted - set(manifest["tensors"]))
         if unknown:
             raise CheckpointNotFoundError(f"bundle has no tensors {unknown[:10]}", path=folder, tensor=unknown[0])
+    for record in manifest.get("files", []):  # config and tokenizer files: size always, hash if verify
+        _check_file(folder, record, CHECKSUM_KEY[manifest["format_version"]] if verify else None)
     current: Optional[SafetensorsFile] = None
     try:
         for fqn, rec in manifest["tensors"].items():
@@ -859,18 +976,23 @@ def iter_bundle(path: os.PathLike, *, verify: Optional[bool] = None, output: str
 
 def _open_shard(folder: str, shard: Dict[str, Any], checksum: Optional[str]) -> SafetensorsFile:
     """Open one shard after checking its size and, if ``checksum`` names the algorithm, its digest."""
+    return SafetensorsFile(_check_file(folder, shard, checksum))
+
+
+def _check_file(folder: str, shard: Dict[str, Any], checksum: Optional[str]) -> str:
+    """A manifest record's file path, after checking its size and, if ``checksum`` names the algorithm, its digest."""
     full = os.path.join(folder, shard["file"])
     if not os.path.isfile(full):
-        raise CheckpointNotFoundError("shard listed in the manifest is missing", path=full)
+        raise CheckpointNotFoundError("file listed in the manifest is missing", path=full)
     size = os.path.getsize(full)
     if size != shard["bytes"]:
-        raise ChecksumError(f"shard is {size} bytes, manifest says {shard['bytes']}", path=full)
+        raise ChecksumError(f"is {size} bytes, manifest says {shard['bytes']}", path=full)
     if checksum:
         got = file_digest(full, checksum)
         if got != shard[checksum]:
             raise ChecksumError(f"{checksum} checksum {got} differs from the manifest's {shard[checksum]}",
                                 path=full)
-    return SafetensorsFile(full)
+    return full
 
 
 def load_bundle(path: os.PathLike, *, verify: Optional[bool] = None, output: str = "canonical",

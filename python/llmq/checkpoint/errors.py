@@ -60,3 +60,12 @@ class BundleVersionError(CheckpointError):
 
 class ResumeMismatchError(CheckpointError):
     """An interrupted bundle cannot be resumed because the input or settings changed."""
+
+
+class OutputWriteError(CheckpointError):
+    """Writing the output failed (a full disk reads "<path>: No space left on device"); the
+    ``.partial`` folder is kept for a resume and nothing is published."""
+
+
+class OutputBusyError(CheckpointError):
+    """Another run holds the lock on the same output folder."""

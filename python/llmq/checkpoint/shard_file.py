@@ -22,11 +22,11 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from llmq.checkpoint.bundle import header_reserve
+from llmq.checkpoint.fileio import write_all, write_error
 from llmq.checkpoint.safetensors_io import encode_header, entry_fragment_size, header_json_size
 
 __all__ = ["StreamingShardFile", "header_reserve"]
 
-_MAX_WRITE = 1 << 30  # Linux writes at most 0x7ffff000 bytes per call
 
 
 def _tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -70,14 +70,12 @@ class StreamingShardFile:
         fragment = entry_fragment_size(name, t.dtype, tuple(t.shape), self.nbytes, self.nbytes + len(mv))
         if header_json_size(self.metadata, self._fragments + [fragment]) > self.reserve - 8:
             raise ValueError(f"tensor {name!r}: the header of {self.path} would outgrow its {self.reserve}-byte reserve")
-        if self._fd is None:
-            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-        offset, done = self.reserve + self.nbytes, 0
-        while done < len(mv):
-            written = os.pwrite(self._fd, mv[done:done + _MAX_WRITE], offset + done)
-            if written <= 0:
-                raise OSError(f"{self.path}: the disk accepted no bytes writing {name!r}")
-            done += written
+        try:
+            if self._fd is None:
+                self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666)  # the umask decides
+            write_all(self._fd, mv, self.reserve + self.nbytes)
+        except OSError as e:
+            raise write_error(e, self.path, "writing the shard", tensor=name) from None
         self._fragments.append(fragment)
         self._entries.append((name, t.dtype, tuple(t.shape), len(mv)))
         self.sizes[name] = len(mv)
@@ -85,12 +83,15 @@ class StreamingShardFile:
 
     def close(self) -> None:
         """Write the header into the gap and close the file."""
-        if self._fd is None:
-            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            os.pwrite(self._fd, encode_header(self._entries, self.metadata, pad_to=self.reserve - 8), 0)
+            if self._fd is None:
+                self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666)
+            write_all(self._fd, encode_header(self._entries, self.metadata, pad_to=self.reserve - 8), 0)
+        except OSError as e:
+            raise write_error(e, self.path, "writing the shard header") from None
         finally:
-            os.close(self._fd)
+            if self._fd is not None:
+                os.close(self._fd)
             self._fd = None
 
     def discard(self) -> None:

@@ -19,6 +19,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from llmq.checkpoint.fileio import write_file_atomic
 from llmq.checkpoint.shard_file import StreamingShardFile, header_reserve
 
 
@@ -90,10 +91,9 @@ class ShardWriter:
         shard.close()
         os.replace(shard.path, self._shard_path(index))  # a shard is either complete or absent
         self._shards.append(dict(shard.sizes))
-        journal = os.path.join(self.folder, self.JOURNAL)
-        with open(journal + ".part", "w") as f:
-            json.dump({"max_shard_bytes": self.max_shard_bytes, "shards": self._shards}, f)
-        os.replace(journal + ".part", journal)
+        write_file_atomic(os.path.join(self.folder, self.JOURNAL),
+                          json.dumps({"max_shard_bytes": self.max_shard_bytes, "shards": self._shards}).encode(),
+                          fsync=False)
 
     def close(self) -> List[str]:
         """Write the last shard, give shards their final names, write the index. Returns the
@@ -111,6 +111,6 @@ class ShardWriter:
         if count > 1:
             weight_map = {t: names[i] for i, shard in enumerate(self._shards) for t in sorted(shard)}
             index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
-            with open(os.path.join(self.folder, "model.safetensors.index.json"), "w") as f:
-                json.dump(index, f, indent=2)
+            write_file_atomic(os.path.join(self.folder, "model.safetensors.index.json"),
+                              json.dumps(index, indent=2).encode(), fsync=False)
         return names

@@ -27,6 +27,7 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 
 import torch
 
+from llmq.checkpoint.fileio import copy_file, write_error, write_file_atomic
 from llmq.export.hf_config import build_hf_quantization_config, build_modelopt_hf_quant_config
 from llmq.export.shards import ShardWriter
 from llmq.export.spec import (
@@ -251,10 +252,13 @@ def write_hf_quantized_checkpoint(
         summary.excluded_modules = sorted(set(exporter.excluded))
         _write_configs(tmp, exporter.specs, summary.excluded_modules, style, config, kv_cache_quant_algo)
         for path in extra_files:
-            shutil.copy2(path, os.path.join(tmp, os.path.basename(path)))
-        if os.path.exists(out_dir):
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
+            copy_file(path, os.path.join(tmp, os.path.basename(path)), fsync=False)
+        try:
+            if os.path.exists(out_dir):
+                shutil.rmtree(out_dir)
+            os.replace(tmp, out_dir)
+        except OSError as e:
+            raise write_error(e, out_dir, "renaming into place") from None
     except BaseException:
         if not resume:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -266,9 +270,9 @@ def write_hf_quantized_checkpoint(
 def _write_configs(folder, specs, excluded, style, config, kv_cache_quant_algo) -> None:
     cfg = dict(config or {})
     cfg["quantization_config"] = build_hf_quantization_config(specs, style=style, exclude_modules=excluded, kv_cache_quant_algo=kv_cache_quant_algo)
-    with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(cfg, f, indent=2, sort_keys=True)
+    write_file_atomic(os.path.join(folder, "config.json"), json.dumps(cfg, indent=2, sort_keys=True).encode(),
+                      fsync=False)
     if style == "modelopt":
         hf = build_modelopt_hf_quant_config(specs, exclude_modules=excluded, kv_cache_quant_algo=kv_cache_quant_algo)
-        with open(os.path.join(folder, "hf_quant_config.json"), "w") as f:
-            json.dump(hf, f, indent=2, sort_keys=True)
+        write_file_atomic(os.path.join(folder, "hf_quant_config.json"),
+                          json.dumps(hf, indent=2, sort_keys=True).encode(), fsync=False)

@@ -320,3 +320,38 @@ def test_bad_configs_name_the_tensor(tiny_moe, tmp_path):
     with pytest.raises(ValueError, match=r"ModelOpt's per-tensor FP8 .* needs a static input scale"):
         write_hf_quantized_checkpoint(str(tmp_path / "x"), iter(sd.items()), lambda f: None if f.endswith(UNQUANTIZED) else {"format": "fp8", "granularity": "tensor"})
     assert os.listdir(tmp_path) == []
+
+
+def test_a_full_disk_is_one_line_naming_the_file_and_the_export_resumes(tiny_moe, tmp_path, monkeypatch):
+    import errno
+    import stat
+
+    from llmq.checkpoint import OutputWriteError
+
+    cfg, sd = tiny_moe
+    whole = write_hf_quantized_checkpoint(str(tmp_path / "whole"), iter(sd.items()), mixed_recipe,
+                                          style="compressed-tensors", max_shard_bytes=60_000)
+    assert stat.S_IMODE(os.stat(tmp_path / "whole" / whole.shards[0]).st_mode) == 0o666 & ~_umask()
+    real_write = os.write
+
+    def enospc(fd, data):  # the journal after the first shard, then config.json
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "write", enospc)
+    out = tmp_path / "out"
+    with pytest.raises(OutputWriteError) as info:
+        write_hf_quantized_checkpoint(str(out), iter(sd.items()), mixed_recipe, style="compressed-tensors",
+                                      max_shard_bytes=60_000, resume=True)
+    assert str(info.value) == f"{tmp_path / '.out.partial' / 'progress.json'}: No space left on device"
+    assert not out.exists()
+    monkeypatch.setattr(os, "write", real_write)
+    write_hf_quantized_checkpoint(str(out), iter(sd.items()), mixed_recipe, style="compressed-tensors",
+                                  max_shard_bytes=60_000, resume=True)
+    for f in whole.shards + ["model.safetensors.index.json", "config.json"]:
+        assert (out / f).read_bytes() == (tmp_path / "whole" / f).read_bytes(), f
+
+
+def _umask():
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
