@@ -242,7 +242,7 @@ def run(arch: Architecture, *, checkpoint: Optional[str], recipe: Optional[str],
         if from_gguf:
             rows.insert(1, ("input", f"GGUF {checkpoint}"))
         result = {"bundle": bundle, "tensors": tally.tensors, "quantized": tally.quantized,
-                  "bytes_in": tally.bytes_in, "bytes_out": tally.bytes_out}
+                  "bytes_in": tally.bytes_in, "bytes_out": tally.bytes_out, "progress_total": total}
         failure = None
         if verify:
             # From a GGUF file the unquantized model is not available: the reference is the GGUF
