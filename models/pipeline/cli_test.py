@@ -88,6 +88,7 @@ def checkpoints(tmp_path_factory):
 
     missing = "model.layers.2.linear_attn.out_proj.weight"
     variant("missing_tensor", change_index=lambda ix: ix["weight_map"].pop(missing))
+    variant("missing_expert", change_index=lambda ix: ix["weight_map"].pop("model.layers.1.mlp.experts.5.up_proj.weight"))
     variant("empty_weight_map", change_index=lambda ix: ix["weight_map"].clear())
     variant("wrong_shapes", change_config=lambda c: c.update(vocab_size=1024))
 
@@ -124,7 +125,10 @@ CASES = [
      ["lm_head.weight", "expected shape [1024, 128]", "found [512, 128]"]),
     ("nan weights", lambda c: [f"--checkpoint={c['nan_weights']}"], ["model.norm.weight"]),
     ("other model", lambda c: [f"--checkpoint={c['gemma']}"], ["//models/gemma4:quantize_and_save"]),
-    ("out under a file", lambda c: [f"--checkpoint={c['good']}", f"--out={c['a_file']}/out"], ["a_file"]),
+    ("out under a file", lambda c: [f"--checkpoint={c['good']}", f"--out={c['a_file']}/sub/out"],
+     ["a_file is a file"]),
+    ("out is a file", lambda c: [f"--checkpoint={c['good']}", f"--out={c['a_file']}"], ["a_file", "not a folder"]),
+    ("missing expert", lambda c: [f"--checkpoint={c['missing_expert']}"], ["missing_expert", "layers.1."]),
 ]
 
 

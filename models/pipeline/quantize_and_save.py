@@ -160,6 +160,7 @@ def run(arch: Architecture, *, checkpoint: Optional[str], recipe: Optional[str],
         elif not os.path.isdir(checkpoint):
             raise UsageError(f"--checkpoint {checkpoint}: no such folder")
         out = out or _user_path(os.path.join("out", f"{arch.name}-{os.path.basename(recipe_name)}"))
+        _check_out(out)
         from_gguf = gguf_input.is_gguf(checkpoint)
         if from_gguf:
             _refuse_other_gguf(arch, others, checkpoint)
@@ -314,6 +315,17 @@ def run(arch: Architecture, *, checkpoint: Optional[str], recipe: Optional[str],
         if embedded:
             print("[embedded default] pass --checkpoint=<HF folder> to quantize a real model")
         return result
+
+
+def _check_out(out: str) -> None:
+    """--out must be a folder or not exist yet, and its nearest existing parent a folder."""
+    if os.path.lexists(out) and not os.path.isdir(out):
+        raise UsageError(f"--out {out}: exists and is not a folder")
+    parent = os.path.dirname(os.path.abspath(out))
+    while not os.path.lexists(parent) and os.path.dirname(parent) != parent:
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise UsageError(f"--out {out}: {parent} is a file, not a folder")
 
 
 def _step(message: str) -> None:
