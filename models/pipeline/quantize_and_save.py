@@ -449,7 +449,7 @@ def main_for(arch: Architecture, others: Sequence[Architecture] = ()) -> None:
                 use_moe_op=FLAGS.use_moe_quantized_op, verify_min_cosine=FLAGS.verify_min_cosine,
                 verify_warn_only=FLAGS.verify_warn_only, progress=progress, others=others)
         except (UsageError, CheckpointError, FileExistsError) as e:
-            print(f"error: {e}", file=sys.stderr)
+            print(f"error: {cli_wording(str(e))}", file=sys.stderr)
             return 2
         except OSError as e:  # the output's place: read-only, full, under /proc, a parent that is a file
             where = e.filename if e.filename is not None else "--out"
@@ -458,6 +458,20 @@ def main_for(arch: Architecture, others: Sequence[Architecture] = ()) -> None:
         return 0
 
     app.run(lambda argv: sys.exit(_main(argv)), flags_parser=parse_flags_or_exit)
+
+
+# The library's errors suggest its Python arguments; on the command line, say what the CLI offers.
+_CLI_WORDING = (
+    ("pass nonfinite='allow' or 'warn' to accept them", "quantize_and_save does not quantize NaN/Inf weights"),
+    ("pass overwrite=True to replace it", "remove it or pick another --out"),
+    ("pass resume=False", "pass --noresume"),
+)
+
+
+def cli_wording(message: str) -> str:
+    for library, cli in _CLI_WORDING:
+        message = message.replace(library, cli)
+    return message
 
 
 def list_recipes(arch: Architecture) -> str:
