@@ -15,7 +15,7 @@ A mismatch raises `StreamMismatchError`, one line naming the tensor(s), expected
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import Dict, Iterable, Iterator, List, Tuple
 
 import torch
 
@@ -103,13 +103,3 @@ def checked_stream(items: Iterable[Tuple[str, object]], expected: ExpectedTensor
         yield name, value
     _check_complete(seen, expected, source)
 
-
-def recipe_coverage(recipe, names: Iterable[str], module_of, num_layers: int) -> int:
-    """How many of `names` the recipe quantizes."""
-    bound = recipe.bind(num_layers)
-    count = 0
-    for name in names:
-        module = module_of(name)
-        if module is not None and bound.get_config(module) is not None:
-            count += 1
-    return count

@@ -23,7 +23,7 @@ from llmq.checkpoint import CheckpointError, checkpoint_shapes, iter_checkpoint,
 from llmq.quant import GroupQuantizedWeight, QuantRecipe, load_recipe, quantize_stream, register_preset
 from models.pipeline import gguf_input
 from models.pipeline.arch import Architecture, quantizable_module
-from models.pipeline.checks import check_headers, checked_stream, expected_tensors, recipe_coverage
+from models.pipeline.checks import check_headers, checked_stream, expected_tensors
 from models.pipeline.default_model import write_default_checkpoint
 from models.pipeline.quantized_model import build_quantized_model
 from models.pipeline.report import compare_logits, format_table, verdict
