@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from models.gemma4 import gguf_checkpoint, keymap, mlx_export
-from models.gemma4.config import ModelConfig
+from models.gemma4.config import MULTIMODAL_MODEL_TYPES, TEXT_MODEL_TYPES, ModelConfig
 from models.gemma4.model import build_model
 import os
 
-from models.pipeline.arch import Architecture, recipe_files
+from models.pipeline.arch import Architecture, recipe_file_descriptions, recipe_files
 
 LAYER_TYPES = ["sliding_attention"] * 5 + ["full_attention"]
 
@@ -62,4 +62,7 @@ ARCHITECTURE = Architecture(
     prepare_default=prepare_default,
     mlx_export=mlx_export,
     gguf_import=gguf_checkpoint,
+    hf_model_types=TEXT_MODEL_TYPES + MULTIMODAL_MODEL_TYPES,
+    target="//models/gemma4:quantize_and_save",
+    recipe_descriptions=recipe_file_descriptions(RECIPES),
 )

@@ -7,7 +7,7 @@ never names a model.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 from torch import nn
@@ -38,6 +38,16 @@ class Architecture:
     # --checkpoint=model.gguf: a module (models/<m>/gguf_checkpoint.py) with GGUF_ARCH, `hf_config_from_gguf` and
     # `GGUFConverter` (see models/pipeline/gguf_input.py; None: GGUF input is refused).
     gguf_import: Optional[Any] = None
+    # config.json model_type values this architecture reads, and the bazel target of its binary: a
+    # checkpoint of another architecture given to this binary is told which target to use instead.
+    hf_model_types: Tuple[str, ...] = ()
+    target: str = ""
+    # One line per preset saying what it does (the recipe files' "description"), for --list_recipes.
+    recipe_descriptions: Dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def reads(self, hf_config: Dict[str, Any]) -> bool:
+        """Whether a config.json dict is of this architecture (by its model_type)."""
+        return hf_config.get("model_type") in self.hf_model_types
 
     def num_layers(self, config) -> int:
         return int(config.num_hidden_layers)
@@ -56,9 +66,31 @@ def quantizable_module(name: str) -> Optional[str]:
     return None
 
 
-def recipe_files(folder: str) -> Dict[str, QuantRecipe]:
-    """`<folder>/<name>.json` recipe files as presets named `<name>` (int4, int8, mixed, ...)."""
+def _recipe_paths(folder: str) -> Dict[str, str]:
     import os
 
-    return {os.path.splitext(f)[0]: QuantRecipe.from_file(os.path.join(folder, f))
+    return {os.path.splitext(f)[0]: os.path.join(folder, f)
             for f in sorted(os.listdir(folder)) if f.endswith((".json", ".yaml", ".yml"))}
+
+
+def recipe_files(folder: str) -> Dict[str, QuantRecipe]:
+    """`<folder>/<name>.json` recipe files as presets named `<name>` (int4, int8, mixed, ...)."""
+    return {name: QuantRecipe.from_file(path) for name, path in _recipe_paths(folder).items()}
+
+
+def recipe_file_descriptions(folder: str) -> Dict[str, str]:
+    """The "description" field of each recipe file in `folder`, by preset name."""
+    import json
+
+    out = {}
+    for name, path in _recipe_paths(folder).items():
+        with open(path, encoding="utf-8") as f:
+            if path.endswith(".json"):
+                data = json.load(f)
+            else:
+                import yaml
+
+                data = yaml.safe_load(f)
+        if isinstance(data, dict) and isinstance(data.get("description"), str):
+            out[name] = data["description"]
+    return out

@@ -332,6 +332,16 @@ def test_wrong_architecture_is_refused(tmp_path):
             max_shard_size=1 << 20, verify=False, seed=0, progress=False)
 
 
+@pytest.mark.parametrize("arch,other", [(QWEN, GEMMA4), (GEMMA4, QWEN)], ids=lambda a: a.name)
+def test_the_other_models_gguf_names_its_target(arch, other, tmp_path):
+    path = tmp_path / "model.gguf"
+    _write_gguf(other, path)
+    with pytest.raises(UsageError, match=f"use `bazel run {other.target} "):
+        run(arch, checkpoint=str(path), recipe="int4", backend="bundle", out=str(tmp_path / "out"), resume=False,
+            max_shard_size=1 << 20, verify=False, seed=0, progress=False, others=[other])
+    assert not os.path.exists(tmp_path / "out")
+
+
 def test_missing_metadata_is_named():
     metadata = {"general.architecture": "qwen35moe", "qwen35moe.block_count": 4}
     with pytest.raises(ValueError, match="no 'qwen35moe.attention.key_length'"):

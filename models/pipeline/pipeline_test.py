@@ -107,3 +107,51 @@ def test_bad_flags_are_one_line_and_exit_2(bad, capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_progress_total_counts_what_the_stream_yields(tmp_path):
+    """The bar's total is the merged model-layout tensors (72 for the tiny Qwen), not the
+    checkpoint's per-expert HF tensors (4 layers x 16 experts x 3 more)."""
+    result = _run(QWEN, tmp_path, "int4")
+    assert result["progress_total"] == result["tensors"] == 72
+
+
+def test_verify_failure_fails_the_run_and_moves_the_output_aside(tmp_path, capsys):
+    kwargs = dict(checkpoint=None, recipe="int4", backend="bundle", resume=True, max_shard_size=1 << 20,
+                  verify=True, seed=0, progress=False)
+    # No INT4 model reaches cosine 1.0: the bar set there stands for "clearly broken".
+    with pytest.raises(UsageError, match=r"--verify: logits cosine 0\.\d+ is under 1\.0.*moved to .*\.failed"):
+        run(QWEN, out=str(tmp_path / "strict"), verify_min_cosine=1.0, **kwargs)
+    assert not (tmp_path / "strict").exists() and (tmp_path / "strict.failed").is_dir()
+    assert "verification          FAILED" in capsys.readouterr().out
+    warned = run(QWEN, out=str(tmp_path / "warn"), verify_min_cosine=1.0, verify_warn_only=True, **kwargs)
+    assert warned["verification_failure"] and (tmp_path / "warn").is_dir()
+    assert "warning: --verify" in capsys.readouterr().err
+
+
+def test_verdict_refuses_non_finite_and_nan():
+    from models.pipeline.report import verdict
+
+    good = {"cosine": 0.99, "finite_reference": True, "finite_quantized": True}
+    assert verdict(good, min_cosine=0.9) is None
+    assert "NaN" in verdict(dict(good, cosine=float("nan")), min_cosine=0.9)
+    assert "not finite" in verdict(dict(good, finite_quantized=False), min_cosine=0.9)
+    assert "not finite" in verdict(dict(good, finite_reference=False), min_cosine=0.9)
+    assert "under 0.9" in verdict(dict(good, cosine=0.2), min_cosine=0.9)
+
+
+def test_embedded_default_says_its_output_is_deleted(capsys):
+    result = run(QWEN, checkpoint=None, recipe="int8", backend="bundle", out=None, resume=True,
+                 max_shard_size=1 << 20, verify=False, seed=0, progress=False)
+    printed = capsys.readouterr().out
+    assert f"output goes to {result['bundle']}, a temporary folder deleted at exit" in printed
+    assert not os.path.exists(result["bundle"])  # as it said
+
+
+def test_recipe_that_quantizes_nothing_warns(tmp_path, capsys):
+    empty = tmp_path / "empty.json"
+    empty.write_text('{"rules": []}')
+    result = _run(QWEN, tmp_path, str(empty))
+    assert result["quantized"] == 0
+    err = capsys.readouterr().err
+    assert "no rule quantizes any of the model's 72 tensors" in err and str(empty) in err

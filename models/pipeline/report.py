@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Dict, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
@@ -22,6 +22,7 @@ def compare_logits(reference: torch.nn.Module, quantized: torch.nn.Module, *, vo
     prompt = verification_prompt(vocab_size, seed, prompt_len)
     ref = reference(prompt).double()
     got = quantized(prompt).double()
+    finite_ref, finite_got = bool(torch.isfinite(ref).all()), bool(torch.isfinite(got).all())
     noise = (ref - got).pow(2).sum().item()
     signal = ref.pow(2).sum().item()
     cosine = torch.nn.functional.cosine_similarity(ref.flatten(), got.flatten(), dim=0).item()
@@ -29,9 +30,30 @@ def compare_logits(reference: torch.nn.Module, quantized: torch.nn.Module, *, vo
         "cosine": cosine,
         "sqnr_db": math.inf if noise == 0 else 10 * math.log10(signal / noise),
         "max_abs_error": (ref - got).abs().max().item(),
+        "finite_reference": finite_ref,
+        "finite_quantized": finite_got,
         "tokens_reference": generate(reference, prompt, new_tokens)[0, prompt_len:].tolist(),
         "tokens_quantized": generate(quantized, prompt, new_tokens)[0, prompt_len:].tolist(),
     }
+
+
+def verdict(check: Dict, *, min_cosine: float) -> Optional[str]:
+    """Why a compare_logits result means a broken output (None: it passed).
+
+    Broken: non-finite logits from either model, a NaN cosine, or a cosine under `min_cosine`.
+    The default bar (0.9, --verify_min_cosine) sits well under what working recipes give
+    (INT4 >= 0.95, INT8 >= 0.99 on the embedded defaults; docs/pipeline.md) and far above a
+    broken output's (near 0: unrelated logits)."""
+    if not check.get("finite_quantized", True):
+        return "the quantized model's logits are not finite (NaN/Inf)"
+    if not check.get("finite_reference", True):
+        return "the unquantized reference model's logits are not finite (NaN/Inf)"
+    cosine = check["cosine"]
+    if math.isnan(cosine):
+        return "logits cosine is NaN"
+    if cosine < min_cosine:
+        return f"logits cosine {cosine:.5f} is under {min_cosine} (--verify_min_cosine)"
+    return None
 
 
 def format_table(rows: Sequence[Tuple[str, str]]) -> str:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import os
 
-from models.pipeline.arch import Architecture, recipe_files
+from models.pipeline.arch import Architecture, recipe_file_descriptions, recipe_files
 from models.qwen import gguf_checkpoint, keymap, mlx_export
-from models.qwen.config import ModelConfig
+from models.qwen.config import MULTIMODAL_MODEL_TYPES, TEXT_MODEL_TYPES, ModelConfig
 from models.qwen.model import build_model
 
 
@@ -38,4 +38,7 @@ ARCHITECTURE = Architecture(
     to_hf_tensors=keymap.unstack_experts,
     mlx_export=mlx_export,
     gguf_import=gguf_checkpoint,
+    hf_model_types=TEXT_MODEL_TYPES + MULTIMODAL_MODEL_TYPES,
+    target="//models/qwen:quantize_and_save",
+    recipe_descriptions=recipe_file_descriptions(RECIPES),
 )

@@ -1,7 +1,8 @@
 """Checkpoint I/O: stream tensors in (safetensors, HF folders, GGUF), stream bundles out.
 
 Public API (see docs/checkpoint.md):
-    iter_checkpoint, load_checkpoint, checkpoint_names   -- readers
+    iter_checkpoint, load_checkpoint, checkpoint_names,   -- readers
+    checkpoint_shapes
     save_bundle, load_bundle, iter_bundle, read_manifest -- the quantized output bundle
     CheckpointError and its subclasses                    -- the only errors readers raise
 """
@@ -32,7 +33,7 @@ from llmq.checkpoint.errors import (
     UnsupportedCheckpointError,
 )
 from llmq.checkpoint.gguf_import import read_gguf_metadata
-from llmq.checkpoint.reader import LoadResult, checkpoint_names, iter_checkpoint, load_checkpoint
+from llmq.checkpoint.reader import LoadResult, checkpoint_names, checkpoint_shapes, iter_checkpoint, load_checkpoint
 
 __all__ = [
     "BASE_BUNDLE_VERSION",
@@ -53,6 +54,7 @@ __all__ = [
     "TensorMismatchError",
     "UnsupportedCheckpointError",
     "checkpoint_names",
+    "checkpoint_shapes",
     "iter_bundle",
     "iter_checkpoint",
     "load_bundle",

@@ -153,6 +153,19 @@ def checkpoint_names(path: os.PathLike, *, key_map: KeyMap = None,
     return out
 
 
+def checkpoint_shapes(path: os.PathLike, *, key_map: KeyMap = None) -> Optional[Dict[str, Tuple[int, ...]]]:
+    """{name: stored shape} in read order, from the headers alone (names after key_map), or None
+    for a format whose shapes need reading the tensors (torch pickles, bundles)."""
+    plan = _plan(os.fspath(path), key_map, None)
+    try:
+        shapes = {out: plan.source.shape(name) for name, out in plan.renames}
+    finally:
+        plan.source.close()
+    if any(s is None for s in shapes.values()):
+        return None
+    return shapes
+
+
 class _ReadAhead:
     """Reads (and NaN-checks) up to ``depth`` tensors ahead of the consumer on one thread.
 

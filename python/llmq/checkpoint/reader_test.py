@@ -21,6 +21,7 @@ from llmq.checkpoint import (
     TensorMismatchError,
     UnsupportedCheckpointError,
     checkpoint_names,
+    checkpoint_shapes,
     iter_checkpoint,
     load_checkpoint,
 )
@@ -108,6 +109,16 @@ def test_key_map_renames_and_drops_without_reading(tmp_path, monkeypatch):
     assert "model.rope.inv_freq" not in reads
     got2 = dict(iter_checkpoint(tmp_path / "m.safetensors", key_map={"model.norm.weight": "norm", "model.rope.inv_freq": None}))
     assert "norm" in got2 and "model.rope.inv_freq" not in got2 and "model.embed_tokens.weight" in got2
+
+
+def test_checkpoint_shapes_from_headers_without_reading(tmp_path, monkeypatch):
+    sd = tensors()
+    folder = write_hf_folder(str(tmp_path / "hf"), sd)
+    from llmq.checkpoint.safetensors_io import SafetensorsFile
+    monkeypatch.setattr(SafetensorsFile, "read", lambda self, n: pytest.fail(f"read {n}"))
+    shapes = checkpoint_shapes(folder, key_map=lambda n: None if n.endswith("inv_freq") else n.removeprefix("model."))
+    assert shapes == {n.removeprefix("model."): tuple(t.shape) for n, t in sd.items() if not n.endswith("inv_freq")}
+    assert list(shapes) == [n.removeprefix("model.") for n in checkpoint_names(folder) if not n.endswith("inv_freq")]
 
 
 def test_key_map_collision_is_an_error(tmp_path):

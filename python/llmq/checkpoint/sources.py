@@ -55,6 +55,10 @@ class Source:
     def read(self, name: str, *, dtype: Optional[torch.dtype] = None) -> Value:
         raise NotImplementedError
 
+    def shape(self, name: str) -> Optional[Tuple[int, ...]]:
+        """The stored shape of `name` from the header alone (None where that needs a read)."""
+        return None
+
     def close(self) -> None:
         pass
 
@@ -69,6 +73,9 @@ class SafetensorsSource(Source):
 
     def read(self, name: str, *, dtype=None) -> torch.Tensor:
         return self._owner[name].read(name)
+
+    def shape(self, name: str) -> Tuple[int, ...]:
+        return tuple(self._owner[name].entries[name].shape)
 
     def close(self) -> None:
         for f in self._files:
@@ -90,6 +97,9 @@ class GGUFSource(Source):
 
     def read(self, name: str, *, dtype=None) -> Value:
         return self._file.read(self._infos[name], dtype=dtype or torch.float32)
+
+    def shape(self, name: str) -> Tuple[int, ...]:
+        return tuple(self._infos[name].shape)
 
     def close(self) -> None:
         self._file.close()
