@@ -13,7 +13,7 @@ MoE blocks (26B-A4B), per-layer input embeddings and KV sharing (the E2B/E4B mod
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Dict, List, Optional, Tuple
+from typing import ClassVar, Dict, List, Optional, Tuple
 
 TEXT_MODEL_TYPES = ("gemma4_text",)
 MULTIMODAL_MODEL_TYPES = ("gemma4",)
@@ -50,6 +50,12 @@ class ModelConfig:
     layer_geometry: Tuple[LayerGeometry, ...] = ()
     eos_token_id: Optional[object] = None
     pad_token_id: Optional[int] = None
+
+    # What the Gemma module code (models/gemma4/model.py, shared with Gemma 3) asks of a config.
+    norm_offset: ClassVar[float] = 0.0  # RMSNorms scale by offset + weight
+    value_norm: ClassVar[bool] = True  # a scale-free RMSNorm on v
+    layer_scalar: ClassVar[bool] = True  # a learned per-layer output scalar
+    attention_scaling: ClassVar[float] = 1.0  # softmax(scaling * q.k)
 
     @classmethod
     def from_hf_dict(cls, config: dict) -> "ModelConfig":

@@ -109,7 +109,12 @@ def _full_rope(m: Metadata, tensors: GGUFTensors, head_dim: int) -> Dict[str, An
 
 
 class GGUFConverter:
-    """``convert(gguf_name, value) -> [(model_name, value)]``, one GGUF tensor at a time."""
+    """``convert(gguf_name, value) -> [(model_name, value)]``, one GGUF tensor at a time.
+
+    Gemma 3's converter (models/gemma3/gguf_checkpoint.py) is this one with its own name table."""
+
+    GGUF_TO_HF = keymap.GGUF_TO_HF
+    GGUF_ARCH = GGUF_ARCH
 
     def __init__(self, config):
         self.config = config
@@ -120,10 +125,10 @@ class GGUFConverter:
             return []  # read into the config's full-attention rope_parameters
         match = _BLOCK.match(name)
         layer, template = (int(match.group(1)), f"blk.{{L}}.{match.group(2)}") if match else (None, name)
-        hf_template = keymap.GGUF_TO_HF.get(template)
+        hf_template = self.GGUF_TO_HF.get(template)
         if hf_template is None:
-            raise ValueError(f"GGUF tensor {name!r} has no gemma4 mapping (the dense text stack's gguf-py "
-                             f"GEMMA4 names are supported; MoE and per-layer-embedding tensors are not)")
+            raise ValueError(f"GGUF tensor {name!r} has no {self.GGUF_ARCH} mapping (the dense text stack's gguf-py "
+                             f"{self.GGUF_ARCH.upper()} names are supported; MoE and per-layer-embedding tensors are not)")
         hf_name = hf_template.format(L=layer)
         if hf_name.endswith(".layer_scalar"):
             if not isinstance(value, torch.Tensor) or value.numel() != 1:
@@ -133,7 +138,7 @@ class GGUFConverter:
             # Our Gemma 4 forward reads embed_tokens.weight.dtype (the sqrt(hidden) scale), which a
             # quantized embedding does not have: keep it dense, dequantized exactly.
             self.notes.append(f"{name}: quantized ({value.bits}-bit) in the GGUF; imported dequantized (exact "
-                              f"float32 values) because the Gemma 4 model needs a dense embedding")
+                              f"float32 values) because the Gemma model needs a dense embedding")
             value = dequantize_canonical(value)
         return [(keymap.hf_to_llmq_key(hf_name), value)]
 

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 from typing import Optional
 
+# Also Gemma 3's multimodal layouts (``model.multi_modal_projector.``; older ``language_model.lm_head.``).
 _SKIP_PREFIXES = (
     "model.vision_tower.", "model.embed_vision.", "model.audio_tower.", "model.embed_audio.",
-    "vision_tower.", "embed_vision.", "audio_tower.", "embed_audio.", "multi_modal_projector.",
+    "model.multi_modal_projector.", "vision_tower.", "embed_vision.", "audio_tower.", "embed_audio.",
+    "multi_modal_projector.",
 )
-_TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."))
+_TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                  ("language_model.lm_head.", "lm_head."))
 
 
 def hf_to_llmq_key(hf_name: str) -> Optional[str]:

@@ -8,6 +8,10 @@ pairs rotate, exponents over the full head - on full layers); full layers may us
 KV heads and K=V (no v_proj: values are the raw k_proj output). Sandwich norms around attention and
 the GeGLU MLP, a learned per-layer output scalar, embeddings scaled by sqrt(hidden), a tied LM head
 and tanh soft-capping of the final logits.
+
+Gemma 3 (models/gemma3) runs on these same modules: its config answers the questions they ask
+(``norm_offset``: RMSNorm scales by 1 + weight; ``value_norm``: no v_norm; ``layer_scalar``: none;
+``attention_scaling``: query_pre_attn_scalar^-0.5; "linear" RoPE scaling on global layers).
 """
 
 from __future__ import annotations
@@ -19,31 +23,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.common.cache import KVCache, ModelCache, attention
+from models.common.norm import RMSNorm
 from models.common.rope import apply_rope, rope_cos_sin
 from models.gemma4.config import ModelConfig
-
-
-class RMSNorm(nn.Module):
-    """x / sqrt(mean(x^2) + eps) * weight (weight used as stored, no +1), in float32; ``with_scale=False``: no weight."""
-
-    def __init__(self, dim: int, eps: float, with_scale: bool = True):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim)) if with_scale else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
-        if self.weight is not None:
-            xf = xf * self.weight.float()
-        return xf.to(x.dtype)
 
 
 def rope_inv_freq(rope: dict, head_dim: int) -> torch.Tensor:
     """Inverse frequencies (length head_dim/2, float32, CPU) for one layer type's rope parameters."""
     theta = float(rope["rope_theta"])
-    if rope.get("rope_type", "default") == "default":
-        return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
+    rope_type = rope.get("rope_type", "default")
+    if rope_type in ("default", "linear"):  # linear (Gemma 3's global layers): positions divided by `factor`
+        inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
+        return inv / float(rope.get("factor", 1.0)) if rope_type == "linear" else inv
     # proportional: int(p * head_dim // 2) rotating pairs with exponents over the whole head, the rest frozen (0)
     rotated = int(float(rope.get("partial_rotary_factor", 1.0)) * head_dim // 2)
     inv = torch.zeros(head_dim // 2, dtype=torch.float32, device="cpu")
@@ -65,9 +56,10 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=bias) if geometry.has_v_proj else None
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=bias)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.v_norm = RMSNorm(self.head_dim, config.rms_norm_eps, with_scale=False)
+        self.scaling = config.attention_scaling
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, offset=config.norm_offset)
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, offset=config.norm_offset)
+        self.v_norm = RMSNorm(self.head_dim, config.rms_norm_eps, with_scale=False) if config.value_norm else None
 
     def forward(self, hidden, cos, sin, position: int, cache: Optional[KVCache] = None) -> torch.Tensor:
         batch, seq, _ = hidden.shape
@@ -76,11 +68,11 @@ class Attention(nn.Module):
         raw_key = self.k_proj(hidden).view(shape)
         raw_value = self.v_proj(hidden).view(shape) if self.v_proj is not None else raw_key
         key = apply_rope(self.k_norm(raw_key).transpose(1, 2), cos, sin)
-        value = self.v_norm(raw_value).transpose(1, 2)
+        value = (raw_value if self.v_norm is None else self.v_norm(raw_value)).transpose(1, 2)
         key_start = position
         if cache is not None:
             key, value, key_start = cache.append(key, value)
-        out = attention(query, key, value, query_start=position, key_start=key_start, scaling=1.0, window=self.window)
+        out = attention(query, key, value, query_start=position, key_start=key_start, scaling=self.scaling, window=self.window)
         return self.o_proj(out)
 
 
@@ -102,15 +94,15 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.layer_type = config.layer_types[layer_idx]
         self.window = config.sliding_window if self.layer_type == "sliding_attention" else None
-        d, eps = config.hidden_size, config.rms_norm_eps
+        d, eps, offset = config.hidden_size, config.rms_norm_eps, config.norm_offset
         self.self_attn = Attention(config, layer_idx)
         self.mlp = MLP(d, config.intermediate_size)
-        self.input_layernorm = RMSNorm(d, eps)
-        self.post_attention_layernorm = RMSNorm(d, eps)
-        self.pre_feedforward_layernorm = RMSNorm(d, eps)
-        self.post_feedforward_layernorm = RMSNorm(d, eps)
-        # A learned scalar in the checkpoint (HF keeps it as a persistent buffer; so do we, same name).
-        self.register_buffer("layer_scalar", torch.ones(1))
+        self.input_layernorm = RMSNorm(d, eps, offset=offset)
+        self.post_attention_layernorm = RMSNorm(d, eps, offset=offset)
+        self.pre_feedforward_layernorm = RMSNorm(d, eps, offset=offset)
+        self.post_feedforward_layernorm = RMSNorm(d, eps, offset=offset)
+        # Gemma 4: a learned scalar in the checkpoint (HF keeps it as a persistent buffer; so do we, same name).
+        self.register_buffer("layer_scalar", torch.ones(1) if config.layer_scalar else None)
 
     def new_state(self) -> KVCache:
         return KVCache(window=self.window)
@@ -120,7 +112,7 @@ class DecoderLayer(nn.Module):
         hidden = hidden + self.post_attention_layernorm(attn)
         mlp = self.mlp(self.pre_feedforward_layernorm(hidden))
         hidden = hidden + self.post_feedforward_layernorm(mlp)
-        return hidden * self.layer_scalar
+        return hidden if self.layer_scalar is None else hidden * self.layer_scalar
 
 
 class TextModel(nn.Module):
@@ -128,7 +120,7 @@ class TextModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=config.norm_offset)
 
 
 class Gemma4ForCausalLM(nn.Module):
@@ -174,10 +166,11 @@ class Gemma4ForCausalLM(nn.Module):
         return logits
 
 
-def build_model(config: ModelConfig, device: str | torch.device = "meta", dtype: torch.dtype = torch.float32):
+def build_model(config: ModelConfig, device: str | torch.device = "meta", dtype: torch.dtype = torch.float32,
+                model_class: type = Gemma4ForCausalLM):
     """Construct the model on ``device`` (meta: no memory) in ``dtype``; on a real device, random-initialised."""
     with torch.device(device):
-        model = Gemma4ForCausalLM(config)
+        model = model_class(config)
     model = model.to(dtype=dtype)
     if torch.device(device).type != "meta":
         init_weights(model)
@@ -186,11 +179,12 @@ def build_model(config: ModelConfig, device: str | torch.device = "meta", dtype:
 
 @torch.no_grad()
 def init_weights(model: Gemma4ForCausalLM, std: float = 0.02) -> None:
-    """Random init (norm weights and layer scalars 1, the rest normal(0, std)) for tests and the embedded default."""
+    """Random init (norm scales and layer scalars 1, the rest normal(0, std)) for tests and the embedded default."""
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
-            p.fill_(1.0)
+            p.fill_(1.0 - model.config.norm_offset)
         else:
             p.normal_(0.0, std)
     for layer in model.model.layers:
-        layer.layer_scalar.fill_(1.0)
+        if layer.layer_scalar is not None:
+            layer.layer_scalar.fill_(1.0)

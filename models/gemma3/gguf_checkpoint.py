@@ -1,0 +1,103 @@
+"""Gemma 3 (text) from a llama.cpp GGUF file (arch ``gemma3``): config and tensors back to our layout.
+
+What llama.cpp's converter (``Gemma3Model``) does, and how it is undone here:
+
+* norms: llama.cpp's RMSNorm multiplies by the stored weight, so the converter stores 1 + w
+  (``norm_shift``); we subtract 1. In float32, fl(fl(1 + w) - 1) may differ from w by less than
+  2^-24 when |w| < 2^-16, but the scale our RMSNorm applies, fl(w' + 1), equals the stored
+  1 + w bit for bit, so the model computes exactly what the file holds;
+* ``lm_head`` is not written (tied to ``token_embd``), and a quantized ``token_embd`` is imported
+  dequantized (exact float32), as for Gemma 4 (the shared converter below);
+* metadata the file does not carry is llama.cpp's fixed Gemma 3 choice: sliding layers every
+  layer but each 6th (unless ``attention.sliding_window_pattern`` is present), sliding-layer RoPE
+  base 10000 (unless ``rope.freq_base_swa``), attention scale ``key_length``^-0.5 except on the
+  62-layer 27B, which uses (hidden / heads)^-0.5; linear RoPE scaling (``rope.scaling.type`` /
+  ``rope.scaling.factor``) applies to the global layers only.
+
+Refused with a ValueError: a value head size other than the key head size, and any tensor
+without a mapping (e.g. the vision tower of a multimodal GGUF, which llama.cpp writes elsewhere).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Tuple
+
+import torch
+
+from llmq.quant import GroupQuantizedWeight
+from models.gemma3 import keymap
+from models.gemma4 import gguf_checkpoint as gemma4_gguf
+from models.pipeline.gguf_input import GGUFTensors, Metadata, Value
+
+GGUF_ARCH = "gemma3"
+SLIDING_WINDOW_PATTERN = 6  # llama.cpp: hparams.set_swa_pattern(6) for LLM_ARCH_GEMMA3
+LAYERS_27B = 62
+
+
+def hf_config_from_gguf(metadata: Dict[str, Any], tensors: GGUFTensors) -> Dict[str, Any]:
+    """An HF ``gemma3_text`` config.json dict from the GGUF metadata (ValueError names what is missing)."""
+    m = Metadata(metadata, GGUF_ARCH)
+    num_layers = int(m.get("block_count"))
+    pattern = m.get("attention.sliding_window_pattern", SLIDING_WINDOW_PATTERN)
+    if isinstance(pattern, (int, float)):
+        swa = [bool((i + 1) % int(pattern)) for i in range(num_layers)]
+    else:
+        swa = [bool(x) for x in pattern]
+    if len(swa) != num_layers:
+        raise ValueError(f"GGUF gemma3: sliding_window_pattern has {len(swa)} entries for {num_layers} blocks")
+    hidden = int(m.get("embedding_length"))
+    heads = int(m.scalar("attention.head_count"))
+    head_dim = int(m.get("attention.key_length", hidden // heads))
+    if int(m.get("attention.value_length", head_dim)) != head_dim:
+        raise ValueError(f"GGUF gemma3: attention.value_length {m.get('attention.value_length')} != key_length {head_dim}")
+    full_rope: Dict[str, Any] = {"rope_type": "default", "rope_theta": float(m.get("rope.freq_base", 1_000_000.0))}
+    scaling = m.get("rope.scaling.type", "none")
+    if scaling == "linear":
+        full_rope.update(rope_type="linear", factor=float(m.get("rope.scaling.factor")))
+    elif scaling not in ("none", None):
+        raise ValueError(f"GGUF gemma3: rope.scaling.type {scaling!r} (Gemma 3 uses none or linear)")
+    config = {
+        "model_type": "gemma3_text",
+        "vocab_size": m.vocab_size(tensors),
+        "hidden_size": hidden,
+        "intermediate_size": int(m.scalar("feed_forward_length")),
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(m.scalar("attention.head_count_kv")),
+        "head_dim": head_dim,
+        "query_pre_attn_scalar": hidden // heads if num_layers == LAYERS_27B else head_dim,
+        "rms_norm_eps": float(m.get("attention.layer_norm_rms_epsilon")),
+        "sliding_window": int(m.get("attention.sliding_window")),
+        "final_logit_softcapping": m.get("final_logit_softcapping", None),
+        "attn_logit_softcapping": m.get("attn_logit_softcapping", None),
+        "tie_word_embeddings": "output.weight" not in tensors.shapes,
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in swa],
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": float(m.get("rope.freq_base_swa", 10_000.0))},
+            "full_attention": full_rope,
+        },
+        "max_position_embeddings": int(m.get("context_length", 131072)),
+    }
+    for key, hf_key in (("tokenizer.ggml.eos_token_id", "eos_token_id"), ("tokenizer.ggml.padding_token_id",
+                                                                             "pad_token_id"),
+                        ("tokenizer.ggml.bos_token_id", "bos_token_id")):
+        if key in metadata:
+            config[hf_key] = int(metadata[key])
+    return config
+
+
+class GGUFConverter(gemma4_gguf.GGUFConverter):
+    """Gemma 4's converter with Gemma 3's name table, plus the norm shift undone."""
+
+    GGUF_TO_HF = keymap.GGUF_TO_HF
+    GGUF_ARCH = GGUF_ARCH
+
+    def convert(self, name: str, value: Value) -> List[Tuple[str, Value]]:
+        out = []
+        for model_name, converted in super().convert(name, value):
+            if model_name.endswith("norm.weight"):
+                if isinstance(converted, GroupQuantizedWeight):
+                    raise ValueError(f"{name}: a quantized norm weight cannot have llama.cpp's +1 removed exactly")
+                converted = converted.float() - 1.0
+            out.append((model_name, converted))
+        return out
