@@ -3,7 +3,8 @@
 Tests tagged with a backend get target_compatible_with one of the constraint values
 below. The constraint settings default to whatever was detected, so on a machine without
 the runtime such a test is SKIPPED by `bazel test //...` (incompatible), never failed and
-never silently passed. Override with LLMQ_FORCE_CUDA=0/1 or LLMQ_FORCE_MLX=0/1.
+never silently passed. Override with LLMQ_FORCE_CUDA=0/1, LLMQ_FORCE_MLX=0/1 or
+LLMQ_FORCE_EXECUTORCH=0/1 (executorch is an optional package, not in the lock: docs/executorch.md).
 """
 
 load(":local_python.bzl", "ENV_VAR", "find_python")
@@ -26,11 +27,19 @@ def _has_mlx(ctx, python):
     res = ctx.execute([python, "-c", "import mlx.core as mx; mx.eval(mx.ones(2) + 1)"], timeout = 120)
     return res.return_code == 0
 
+def _has_executorch(ctx, python):
+    forced = ctx.os.environ.get("LLMQ_FORCE_EXECUTORCH")
+    if forced != None:
+        return forced == "1"
+    code = "import executorch.runtime, executorch.exir; from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner"
+    return ctx.execute([python, "-c", code], timeout = 300).return_code == 0
+
 def _llmq_platform_impl(ctx):
     ctx.read(Label("//:requirements_lock.txt"))
     python, _ = find_python(ctx)  # the interpreter local_python uses
     cuda = _has_cuda(ctx)
     mlx = _has_mlx(ctx, python)
+    executorch = _has_executorch(ctx, python)
     ctx.file("BUILD.bazel", """
 package(default_visibility = ["//visibility:public"])
 
@@ -41,11 +50,16 @@ constraint_value(name = "cuda_absent", constraint_setting = ":cuda")
 constraint_setting(name = "mlx", default_constraint_value = ":{mlx}")
 constraint_value(name = "mlx_present", constraint_setting = ":mlx")
 constraint_value(name = "mlx_absent", constraint_setting = ":mlx")
+
+constraint_setting(name = "executorch", default_constraint_value = ":{executorch}")
+constraint_value(name = "executorch_present", constraint_setting = ":executorch")
+constraint_value(name = "executorch_absent", constraint_setting = ":executorch")
 """.format(
         cuda = "cuda_present" if cuda else "cuda_absent",
         mlx = "mlx_present" if mlx else "mlx_absent",
+        executorch = "executorch_present" if executorch else "executorch_absent",
     ))
-    ctx.file("defs.bzl", "HAS_CUDA = %s\nHAS_MLX = %s\n" % (cuda, mlx))
+    ctx.file("defs.bzl", "HAS_CUDA = %s\nHAS_MLX = %s\nHAS_EXECUTORCH = %s\n" % (cuda, mlx, executorch))
 
 llmq_platform = repository_rule(
     implementation = _llmq_platform_impl,
@@ -53,5 +67,5 @@ llmq_platform = repository_rule(
     attrs = {
         "python_interpreter": attr.string(doc = "As local_python's attribute (MLX is probed with it)."),
     },
-    environ = ["LLMQ_FORCE_CUDA", "LLMQ_FORCE_MLX", "LLMQ_VENV_STAMP", ENV_VAR],
+    environ = ["LLMQ_FORCE_CUDA", "LLMQ_FORCE_MLX", "LLMQ_FORCE_EXECUTORCH", "LLMQ_VENV_STAMP", ENV_VAR],
 )

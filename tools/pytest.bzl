@@ -1,13 +1,14 @@
 """llmq_py_test: one Bazel test target per pytest file, gated by backend.
 
 The test runs pytest on its file (so a failure prints pytest's own report) through
-//tools:pytest_runner.py. `backend = "cuda"` or `"mlx"` makes the target incompatible,
+//tools:pytest_runner.py. `backend = "cuda"`, `"mlx"` or `"executorch"` makes the target incompatible,
 hence SKIPPED by `bazel test //...`, on machines without that runtime.
 """
 
 _BACKEND_CONSTRAINTS = {
     "cuda": "@llmq_platform//:cuda_present",
     "mlx": "@llmq_platform//:mlx_present",
+    "executorch": "@llmq_platform//:executorch_present",
 }
 
 def llmq_py_test(name, srcs, deps = [], data = [], backend = None, args = [], tags = [], env = {}, **kwargs):

@@ -16,6 +16,8 @@ nearest float32: at most 0.5 ulp of the bias per group).
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from llmq.quant.formats import SUPPORTED_BITS, GroupQuantizedWeight, pack_bits, unpack_bits
@@ -27,9 +29,20 @@ def _torchao_tensor_class():
     return IntxUnpackedToInt8Tensor
 
 
-def to_torchao(qw: GroupQuantizedWeight):
-    """The IntxUnpackedToInt8Tensor (weight-only) that dequantizes to the same values as qw."""
+ACTIVATION_QUANTIZATIONS = ("int8_asym_per_token",)
+
+
+def to_torchao(qw: GroupQuantizedWeight, activation_quantization: Optional[str] = None):
+    """The IntxUnpackedToInt8Tensor that dequantizes to the same values as qw.
+
+    activation_quantization=None gives the weight-only tensor (IntxWeightOnlyConfig's form);
+    "int8_asym_per_token" gives the form Int8DynamicActivationIntxWeightConfig produces (8da4w,
+    8da8w): same codes, scales and zero points, with the activations of every linear quantized to
+    int8 per token (asymmetric) at run time."""
     cls = _torchao_tensor_class()
+    if activation_quantization is not None and activation_quantization not in ACTIVATION_QUANTIZATIONS:
+        raise ValueError(f"to_torchao: activation_quantization {activation_quantization!r} unsupported; "
+                         f"expected None or one of {ACTIVATION_QUANTIZATIONS}")
     if not isinstance(qw, GroupQuantizedWeight):
         raise ValueError(f"to_torchao expects a GroupQuantizedWeight, got {type(qw).__name__}")
     offset = 1 << (qw.bits - 1)
@@ -57,8 +70,18 @@ def to_torchao(qw: GroupQuantizedWeight):
         target_dtype=getattr(torch, f"int{qw.bits}"),
         block_size=tuple([1] * (len(qw.shape) - 1) + [qw.group_size]),
         dtype=qw.dtype,
-        activation_quantization=None,
+        activation_quantization=_activation_enum(activation_quantization),
     )
+
+
+def _activation_enum(name: Optional[str]):
+    if name is None:
+        return None
+    from torchao.quantization.quantize_.workflows.intx.intx_unpacked_to_int8_tensor import (
+        IntxUnpackedToInt8TensorActivationQuantization,
+    )
+
+    return IntxUnpackedToInt8TensorActivationQuantization(name)
 
 
 def from_torchao(t, *, allow_rounding: bool = False) -> GroupQuantizedWeight:

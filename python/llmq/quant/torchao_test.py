@@ -124,6 +124,36 @@ def test_torchao_safetensors_round_trip(tmp_path):
     assert torch.equal(restored["proj.bias"], state["proj.bias"])
 
 
+@pytest.mark.parametrize("bits,group_size", [(4, 32), (8, 32), (8, 128)])
+def test_8da_form_equals_int8_dynamic_activation_config(bits, group_size):
+    # torchao's own Int8DynamicActivationIntxWeightConfig (8da4w PerGroup(32), 8da8w) quantizes the
+    # same float32 weight to exactly the codes, scales and zero points our conversion carries over.
+    from torchao.quantization import Int8DynamicActivationIntxWeightConfig, PerGroup, quantize_
+
+    w = torch.randn(48, 128, generator=torch.Generator().manual_seed(bits))
+    lin = nn.Linear(128, 48, bias=False)
+    lin.weight = nn.Parameter(w.clone(), requires_grad=False)
+    quantize_(lin, Int8DynamicActivationIntxWeightConfig(weight_dtype=getattr(torch, f"int{bits}"),
+                                                         weight_granularity=PerGroup(group_size)))
+    ref = lin.weight
+    ours = to_torchao(quantize_weight(w, QuantConfig(bits=bits, group_size=group_size)),
+                      activation_quantization="int8_asym_per_token")
+    assert type(ours) is type(ref) and ours.activation_quantization == ref.activation_quantization is not None
+    assert torch.equal(ours.qdata, ref.qdata) and torch.equal(ours.zero_point, ref.zero_point)
+    assert same_values(ours.scale, ref.scale.to(torch.float32))
+    assert (ours.target_dtype, tuple(ours.block_size)) == (ref.target_dtype, tuple(ref.block_size))
+    # and it runs torchao's dynamic-activation linear: per-token int8 activations, not the float x
+    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(9))
+    assert same_values(F.linear(x, ours), F.linear(x, ref))
+    assert not torch.equal(F.linear(x, ours), F.linear(x, dequantize(quantize_weight(w, QuantConfig(bits=bits, group_size=group_size)))))
+
+
+def test_unknown_activation_quantization_is_refused():
+    qw = quantize_weight(torch.randn(8, 32), QuantConfig(bits=4, group_size=32))
+    with pytest.raises(ValueError, match="activation_quantization 'int4_sym' unsupported"):
+        to_torchao(qw, activation_quantization="int4_sym")
+
+
 def test_linear_with_torchao_weight_matches_quantized_linear():
     torch.manual_seed(5)
     lin = nn.Linear(128, 48, bias=True)
