@@ -12,9 +12,10 @@ import os
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import DynamicCache, Gemma4ForCausalLM, Gemma4TextConfig
+from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
 from models.common.generation import generate
+from models.common.parity import assert_logits_match, hf_logits, llmq_logits
 from models.gemma4 import keymap
 from models.gemma4.config import ModelConfig
 from models.gemma4.loading import load_model
@@ -58,37 +59,11 @@ def checkpoint(request, tmp_path_factory):
     return folder, _save_random(folder, attention_k_eq_v=request.param)
 
 
-def _hf_logits(hf, prompt, steps):
-    cache = DynamicCache(config=hf.config)
-    with torch.no_grad():
-        out = hf(input_ids=prompt, cache=cache, use_cache=True)
-        logits = [out.logits]
-        for _ in range(steps):
-            out = hf(input_ids=out.logits[:, -1:].argmax(-1), cache=out.cache, use_cache=True)
-            logits.append(out.logits)
-    return logits
-
-
-def _ours_logits(model, prompt, steps):
-    cache = model.new_cache(batch_size=prompt.shape[0])
-    with torch.no_grad():
-        logits = [model(prompt, cache=cache)]
-        for _ in range(steps):
-            logits.append(model(logits[-1][:, -1:].argmax(-1), cache=cache))
-    return logits
-
-
 def test_prefill_and_decode_match_transformers(checkpoint):
     folder, hf = checkpoint
     ours = load_model(folder, device="cpu").eval()
     prompt = torch.randint(0, 96, (2, 11), generator=torch.Generator().manual_seed(1))
-    expected, actual = _hf_logits(hf, prompt, 8), _ours_logits(ours, prompt, 8)
-    scale = max(e.abs().max().item() for e in expected)
-    worst = max((a - e).abs().max().item() for a, e in zip(actual, expected))
-    print(f"gemma4 parity: max|logit| {scale:.4g}, max abs err {worst:.3g}, rel {worst / scale:.3g}")
-    assert worst <= REL_TOL * scale, f"max abs error {worst} > {REL_TOL} * {scale}"
-    for a, e in zip(actual, expected):
-        assert torch.equal(a[:, -1].argmax(-1), e[:, -1].argmax(-1))
+    assert_logits_match("gemma4", hf_logits(hf, prompt, 8), llmq_logits(ours, prompt, 8), REL_TOL)
 
 
 def test_generate_matches_transformers_greedy(checkpoint):

@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
 from models.common.generation import generate
+from models.common.parity import assert_logits_match, hf_logits, llmq_logits
 from models.qwen import keymap
 from models.qwen.config import ModelConfig
 from models.qwen.delta_rule import chunked_delta_rule, recurrent_delta_rule
@@ -50,43 +51,11 @@ def checkpoint(tmp_path_factory):
     return folder, hf
 
 
-def _hf_logits(hf, prompt, steps):
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=hf.config)
-    with torch.no_grad():
-        out = hf(input_ids=prompt, cache=cache, use_cache=True)
-        logits = [out.logits]
-        token = out.logits[:, -1:].argmax(-1)
-        for _ in range(steps):
-            out = hf(input_ids=token, cache=out.cache, use_cache=True)
-            logits.append(out.logits)
-            token = out.logits[:, -1:].argmax(-1)
-    return logits
-
-
-def _ours_logits(model, prompt, steps):
-    cache = model.new_cache(batch_size=prompt.shape[0])
-    with torch.no_grad():
-        logits = [model(prompt, cache=cache)]
-        token = logits[-1][:, -1:].argmax(-1)
-        for _ in range(steps):
-            logits.append(model(token, cache=cache))
-            token = logits[-1][:, -1:].argmax(-1)
-    return logits
-
-
 def test_prefill_and_decode_match_transformers(checkpoint):
     folder, hf = checkpoint
     ours = load_model(folder, device="cpu", dtype=torch.float32).eval()
     prompt = torch.randint(0, 96, (2, 11), generator=torch.Generator().manual_seed(1))
-    expected, actual = _hf_logits(hf, prompt, 8), _ours_logits(ours, prompt, 8)
-    scale = max(e.abs().max().item() for e in expected)
-    worst = max((a - e).abs().max().item() for a, e in zip(actual, expected))
-    print(f"qwen parity: max|logit| {scale:.4g}, max abs err {worst:.3g}, rel {worst / scale:.3g}")
-    assert worst <= REL_TOL * scale, f"max abs error {worst} > {REL_TOL} * {scale}"
-    for a, e in zip(actual, expected):  # greedy paths agree token for token
-        assert torch.equal(a[:, -1].argmax(-1), e[:, -1].argmax(-1))
+    assert_logits_match("qwen", hf_logits(hf, prompt, 8), llmq_logits(ours, prompt, 8), REL_TOL)
 
 
 def test_long_prefill_crosses_delta_rule_chunks(checkpoint):
@@ -94,7 +63,7 @@ def test_long_prefill_crosses_delta_rule_chunks(checkpoint):
     folder, hf = checkpoint
     ours = load_model(folder, device="cpu", dtype=torch.float32).eval()
     prompt = torch.randint(0, 96, (1, 70), generator=torch.Generator().manual_seed(2))
-    expected, actual = _hf_logits(hf, prompt, 1), _ours_logits(ours, prompt, 1)
+    expected, actual = hf_logits(hf, prompt, 1), llmq_logits(ours, prompt, 1)
     scale = max(e.abs().max().item() for e in expected)
     worst = max((a - e).abs().max().item() for a, e in zip(actual, expected))
     assert worst <= REL_TOL * scale, f"max abs error {worst} > {REL_TOL} * {scale}"
