@@ -75,6 +75,7 @@ def test_cli_refusal_is_one_line_exit_2(tmp_path):
                            f"--recipe={recipe_file(tmp_path, 'fp8')}", f"--out={tmp_path / 'out'}"],
                           capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.startswith("error: recipe rule '.*': format 'fp8' cannot be written by --backend mlx")
+    assert proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1, proc.stderr
+    assert "recipe rule '.*': format 'fp8' cannot be written by --backend mlx" in proc.stderr
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
     assert not os.path.exists(tmp_path / "out")

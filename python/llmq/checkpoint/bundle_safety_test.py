@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -45,6 +46,22 @@ def lazy(computed):
 def folder_digest(path):
     return {name: hashlib.sha256(open(os.path.join(path, name), "rb").read()).hexdigest()
             for name in sorted(os.listdir(path))}
+
+
+def settled_digest(path, timeout=60.0):
+    """folder_digest of a folder another process's writer thread may still be finishing (it
+    renames shard files when they complete): two equal readings 0.2 s apart."""
+    deadline, last = time.monotonic() + timeout, None
+    while time.monotonic() < deadline:
+        try:
+            now = folder_digest(path)
+        except FileNotFoundError:  # a shard renamed between listing and reading
+            now = None
+        if now is not None and now == last:
+            return now
+        last = now
+        time.sleep(0.2)
+    raise AssertionError(f"{path} kept changing for {timeout} s")
 
 
 @pytest.fixture
@@ -242,7 +259,7 @@ def test_a_second_run_into_the_same_output_is_refused_without_touching_anything(
     try:
         assert first.stdout.readline() == b"holding\n"
         partial = tmp_path / "out.partial"
-        before = folder_digest(partial)
+        before = settled_digest(partial)
         for resume in (True, False):
             with pytest.raises(CheckpointError) as info:
                 save_bundle(stream(), out, max_shard_bytes=SHARD, resume=resume, fsync=False)
