@@ -22,7 +22,6 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Tuple
 
-import torch
 
 from llmq.quant import GroupQuantizedWeight
 from models.gemma3 import keymap

@@ -40,7 +40,7 @@ from llmq.checkpoint import CheckpointError
 from llmq.quant import QuantizedLinear, register_preset, to_torchao
 from models.pipeline import export_pt2, quantize_and_save
 from models.pipeline.arch import Architecture
-from models.pipeline.export_pt2 import DecodeStep, PrefillStep, StaticCacheLayout, example_cache
+from models.pipeline.export_pt2 import DecodeStep, PrefillStep, StaticCacheLayout
 from models.pipeline.quantized_model import QuantizedExperts, _StackedQuantized
 from models.pipeline.report import format_table
 

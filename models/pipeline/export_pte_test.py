@@ -136,7 +136,6 @@ def _relative_noise(model: nn.Module, steps, prompt, decode_steps):
 
 
 def _model_case(arch_module, export_module, tmp_path, recipe=None):
-    from models.pipeline.export_pt2 import DecodeStep, PrefillStep
 
     decode_steps = 4
     result = export_pte.run(arch_module.ARCHITECTURE, export_module.cache_layout,

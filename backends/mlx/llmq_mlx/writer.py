@@ -38,7 +38,7 @@ from typing import Dict, Iterable, Optional, Sequence, Tuple, Union
 
 import torch
 
-from llmq.checkpoint.fileio import copy_file, write_error, write_file_atomic
+from llmq.checkpoint.fileio import copy_file, umask_mode, write_error, write_file_atomic
 from llmq.checkpoint.shard_file import StreamingShardFile, header_reserve
 from llmq.quant.formats import GroupQuantizedWeight
 
