@@ -136,7 +136,6 @@ def _relative_noise(model: nn.Module, steps, prompt, decode_steps):
 
 
 def _model_case(arch_module, export_module, tmp_path, recipe=None):
-
     decode_steps = 4
     result = export_pte.run(arch_module.ARCHITECTURE, export_module.cache_layout,
                             dynamic_prompt=export_module.DYNAMIC_PROMPT, recipe=recipe, out=str(tmp_path / "m.pte"),
