@@ -47,13 +47,10 @@ def test_files_get_the_umask_permissions(tmp_path, umask, mask, shard):
 
 
 def test_a_full_disk_is_one_line_naming_the_file(tmp_path, monkeypatch):
-    from safetensors import SafetensorError
-    from safetensors import torch as st_torch
+    def full(fd, data, offset):  # shard bytes go through os.pwrite (the streaming shard file)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    def full(tensors, path, metadata=None):
-        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
-
-    monkeypatch.setattr(st_torch, "save_file", full)
+    monkeypatch.setattr(os, "pwrite", full)
     with pytest.raises(OutputWriteError) as info:
         write_mlx_lm_folder(tmp_path / "out", items(), CONFIG)
     assert str(info.value) == f"{info.value.path}: No space left on device"
