@@ -25,7 +25,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from llmq.quant import _native
+from llmq.quant import _native, search
 from llmq.quant.formats import GroupQuantizedWeight, format_of, get_format, pack_bits
 from llmq.quant.recipe import INT_FORMAT, QuantConfig
 
@@ -34,6 +34,8 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Quantize this many elements at a time so that peak memory stays a small multiple of the
 # input (a stacked-expert tensor can be gigabytes) instead of ~10x it.
 _CHUNK_ELEMENTS = 1 << 24
+# Method "search" keeps a few float64 copies of its chunk per candidate: smaller chunks.
+_SEARCH_CHUNK_ELEMENTS = 1 << 20
 
 
 def _check_weight(w: torch.Tensor, config: QuantConfig, name: str) -> int:
@@ -42,8 +44,8 @@ def _check_weight(w: torch.Tensor, config: QuantConfig, name: str) -> int:
         raise ValueError(f"{name}: expected a torch.Tensor, got {type(w).__name__}")
     if not isinstance(config, QuantConfig):
         raise ValueError(f"{name}: expected a QuantConfig, got {type(config).__name__}")
-    if config.method != "minmax":
-        raise NotImplementedError(f"{name}: method {config.method!r} is not implemented yet (only 'minmax')")
+    if config.method not in ("minmax", "search"):
+        raise NotImplementedError(f"{name}: method {config.method!r} is not implemented yet (only 'minmax' and 'search')")
     if w.dtype not in FLOAT_DTYPES:
         raise ValueError(f"{name}: expected a float32/bfloat16/float16 weight, got dtype {w.dtype}")
     if not 1 <= w.dim() <= 3:
@@ -119,10 +121,14 @@ def _quantize_rows(x: torch.Tensor, config: QuantConfig, gs: int, name: str):
     if config.symmetric:
         offset = 1 << (bits - 1)
         scale = _qparams_symmetric(xmin, xmax, bits)
+        if config.method == "search":
+            scale, _ = search.search_qparams(g, xmin, xmax, bits, True)
         q = torch.mul(g, (1.0 / scale).unsqueeze(-1)).round_().clamp_(-offset, offset - 1).add_(offset)
         bias = scale * -float(offset)
     else:
-        scale, zero = _qparams_asymmetric(xmin, xmax, bits, name)
+        scale, zero = _qparams_asymmetric(xmin, xmax, bits, name)  # also rejects an overflowing range
+        if config.method == "search":
+            scale, zero = search.search_qparams(g, xmin, xmax, bits, False)
         q = torch.mul(g, (1.0 / scale).unsqueeze(-1)).round_().add_(zero.unsqueeze(-1)).clamp_(0, (1 << bits) - 1)
         bias = 0.0 - zero * scale  # exact; +0.0 (not -0.0) when zero == 0
     q = q.reshape(rows, k).to(torch.uint8)
@@ -144,7 +150,7 @@ def quantize_int_weight(w: torch.Tensor, config: QuantConfig, *, name: str = "<t
     GroupQuantizedWeight, through the compiled kernel when it applies (same bytes)."""
     gs = _check_weight(w, config, name)
     parts = None
-    if _native.applicable(w):
+    if config.method == "minmax" and _native.applicable(w):  # the kernel implements "minmax" only
         # None means a NaN/Inf or an overflowing range: the reference path below raises
         # the matching error, naming the tensor and the first bad element.
         parts = _native.quantize_rows(w.detach().reshape(-1, w.shape[-1]), config.bits, gs, config.symmetric)
@@ -166,7 +172,7 @@ def _quantize_torch(w: torch.Tensor, config: QuantConfig, gs: int, name: str):
     """The torch reference over all rows of w, chunk by chunk: (qdata, scale, bias) as [R, ...]."""
     k = w.shape[-1]
     rows = w.detach().reshape(-1, k)
-    step = max(1, _CHUNK_ELEMENTS // k)
+    step = max(1, (_SEARCH_CHUNK_ELEMENTS if config.method == "search" else _CHUNK_ELEMENTS) // k)
     try:
         parts = [_quantize_rows(rows[i : i + step].to(device="cpu", dtype=torch.float32), config, gs, name) for i in range(0, rows.shape[0], step)]
     except _NotFinite:

@@ -23,7 +23,9 @@ from llmq.quant.formats import format_names, get_format
 # The canonical group-wise integer format; every other name is looked up in the format
 # registry (llmq.quant.formats), which also validates each format's own fields.
 INT_FORMAT = "int"
-METHODS = ("minmax", "hqq")
+# "minmax" is round-to-nearest on each group's min/max; "search" picks the best of a fixed set of
+# shrunk scales/zeros per group (llmq.quant.search); "hqq" is reserved (not implemented yet).
+METHODS = ("minmax", "search", "hqq")
 
 _DTYPE_NAMES = {
     "float32": torch.float32,
@@ -81,6 +83,8 @@ class QuantConfig:
             raise ValueError(f"QuantConfig.symmetric must be a bool, got {self.symmetric!r}")
         if self.method not in METHODS:
             raise ValueError(f"QuantConfig.method={self.method!r} unknown; expected one of {METHODS}")
+        if self.method != "minmax" and self.format != INT_FORMAT:
+            raise ValueError(f"QuantConfig.method={self.method!r} applies to format 'int' only; format {self.format!r} takes 'minmax'")
         object.__setattr__(self, "scale_dtype", _dtype_from_name(self.scale_dtype))
         fmt.validate_config(self)
 
