@@ -6,6 +6,8 @@ so the best is the figure to compare; the median shows the noise.
 
     LLMQ_QUANT_KERNEL=/tmp/quant/_quant_kernel.so PYTHONPATH=python \\
         .venv/bin/python python/llmq/quant/bench_quantize.py [--repeats 5] [--threads 1,2] [--quick]
+
+A second table compares method "search" with "minmax" (torch path, throughput and error).
 """
 
 from __future__ import annotations
@@ -61,6 +63,29 @@ def main() -> None:
                     _native.set_num_threads(t)
                     best, med = _time(fn, args.repeats)
                     print(f"{shape_name:<22}{cfg_name:<18}{path:<8}{t:>8}{nbytes / best / 1e9:>11.2f}{nbytes / med / 1e9:>13.2f}", flush=True)
+    search_table(args.repeats)
+
+
+SEARCH_CONFIGS = {"int4 g32 sym": (4, True), "int3 g32 sym": (3, True), "int4 g32 asym": (4, False), "int3 g32 asym": (3, False)}
+
+
+def search_table(repeats: int) -> None:
+    """Method "search" (torch path only, one thread) beside "minmax" on a 1024x1024 bf16
+    N(0,1) weight: throughput and the squared error of the dequantized weight."""
+    from llmq.quant import dequantize
+
+    torch.set_num_threads(1)
+    w = torch.randn(1024, 1024, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    nbytes = w.numel() * w.element_size()
+    print(f"\n{'1024x1024, 1 thread':<22}{'config':<18}{'method':<8}{'best MB/s':>11}{'sq. error':>12}{'vs minmax':>11}")
+    for cfg_name, (bits, sym) in SEARCH_CONFIGS.items():
+        base = None
+        for method in ("minmax", "search"):
+            cfg = QuantConfig(bits=bits, group_size=32, symmetric=sym, method=method)
+            best, _ = _time(lambda: quantize_weight_torch(w, cfg), max(1, min(repeats, 2)))
+            err = float((dequantize(quantize_weight_torch(w, cfg), torch.float32).double() - w.double()).square().sum())
+            base = err if base is None else base
+            print(f"{'':<22}{cfg_name:<18}{method:<8}{nbytes / best / 1e6:>11.1f}{err:>12.1f}{err / base:>11.3f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -134,3 +134,26 @@ def test_recipe_method_round_trips_and_bad_methods_are_refused():
 def test_search_names_bad_input():
     with pytest.raises(ValueError, match="w.down: weight has 1 NaN"):
         quantize_weight(torch.tensor([1.0, float("nan")] + [0.0] * 30), QuantConfig(method="search"), name="w.down")
+
+
+def test_recipe_file_selects_search_per_rule(tmp_path):
+    import json
+
+    from llmq.quant import quantize_stream
+
+    path = tmp_path / "recipe.json"
+    path.write_text(json.dumps({"rules": [
+        {"pattern": r".*\.down_proj", "config": {"bits": 4, "group_size": 32, "symmetric": False, "method": "search"}},
+        {"pattern": ".*", "config": {"bits": 4, "group_size": 32, "symmetric": False}}]}))
+    recipe = QuantRecipe.from_file(str(path))
+    w = weights("heavy", (16, 64), seed=11)
+    out = dict(quantize_stream(iter([("m.down_proj.weight", w), ("m.up_proj.weight", w)]), recipe))
+    srch = quantize_weight(w, QuantConfig(bits=4, group_size=32, symmetric=False, method="search"), name="w")
+    rtn = quantize_weight(w, QuantConfig(bits=4, group_size=32, symmetric=False), name="w")
+    for got, want in ((out["m.down_proj.weight"], srch), (out["m.up_proj.weight"], rtn)):
+        assert torch.equal(got.qdata, want.qdata) and torch.equal(got.scale, want.scale) and torch.equal(got.bias, want.bias)
+    assert not torch.equal(srch.scale, rtn.scale)
+    path.write_text(json.dumps({"rules": [{"pattern": ".*", "config": {"method": "mse"}}]}))
+    with pytest.raises(ValueError, match="method='mse' unknown") as e:
+        QuantRecipe.from_file(str(path))
+    assert "\n" not in str(e.value)
