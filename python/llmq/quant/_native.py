@@ -113,6 +113,28 @@ def quantize_rows(
     return (qdata, scale, bias) if status == "ok" else None
 
 
+def search_available() -> bool:
+    """Whether the loaded kernel has method "search" (an older .so picked by LLMQ_QUANT_KERNEL may not)."""
+    m = _load()
+    return m is not None and hasattr(m, "search_qparams")
+
+
+def search_qparams(g: torch.Tensor, group_size: int, bits: int, symmetric: bool, *, threads: Optional[int] = None):
+    """Method "search" on float32 CPU rows g[R, K]: (scale [R, G], zero [R, G] or None when
+    symmetric), bit-identical to llmq.quant.search.search_qparams_torch. The caller has
+    checked that g is finite and the configuration valid."""
+    m = _load()
+    if m is None:
+        raise RuntimeError(f"the quantization kernel is not available: {_error}")
+    g = g.detach().to(torch.float32).contiguous()
+    r, k = g.shape
+    scale = torch.empty(r, k // group_size, dtype=torch.float32)
+    zero = None if symmetric else torch.empty(r, k // group_size, dtype=torch.float32)
+    m.search_qparams(g.data_ptr(), r, k, group_size, bits, bool(symmetric), scale.data_ptr(),
+                     0 if zero is None else zero.data_ptr(), _threads if threads is None else threads)
+    return scale, zero
+
+
 def count_nonfinite(t: torch.Tensor) -> Optional[Tuple[int, int]]:
     """(NaN count, Inf count) of a contiguous CPU float32/bfloat16/float16 tensor from its bit
     patterns on the calling thread, or None when the kernel is not loaded or the tensor is

@@ -14,7 +14,8 @@ exactly as method "minmax" builds its scale (llmq.quant.quantize, docs/formats.m
 
 Codes are then chosen exactly as by "minmax" for that (scale, zero). The error of a candidate
 is sum((fl32(scale * (q - zero)) - w)^2) in float64, i.e. against what `dequantize` returns.
-The first candidate with the smallest error wins; f = 1.0 with the minimum-anchored zero comes
+Errors are summed in element order (the C++ kernel, cpp/quant/search_quant.h, does the
+same and returns identical bits). The first candidate with the smallest error wins; f = 1.0 with the minimum-anchored zero comes
 first and *is* the "minmax" result, so "search" is never worse than "minmax" on any group and
 equals it on ties.
 """
@@ -47,7 +48,11 @@ def group_error(g: torch.Tensor, scale: torch.Tensor, zero: Optional[torch.Tenso
     q = codes(g, scale, zero, bits).to(torch.float64)
     z = float(1 << (bits - 1)) if zero is None else zero.to(torch.float64).unsqueeze(-1)
     recon = (q - z).mul_(scale.to(torch.float64).unsqueeze(-1)).to(torch.float32).to(torch.float64)
-    return recon.sub_(g.to(torch.float64)).square_().sum(-1)
+    sq = recon.sub_(g.to(torch.float64)).square_()
+    err = sq[..., 0].clone()
+    for j in range(1, sq.shape[-1]):  # in element order, as the C++ kernel sums
+        err += sq[..., j]
+    return err
 
 
 def candidates(xmin: torch.Tensor, xmax: torch.Tensor, bits: int, symmetric: bool):
@@ -75,8 +80,21 @@ def candidates(xmin: torch.Tensor, xmax: torch.Tensor, bits: int, symmetric: boo
 
 def search_qparams(g: torch.Tensor, xmin: torch.Tensor, xmax: torch.Tensor, bits: int,
                    symmetric: bool) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """(scale, zero) per group of float32 g[R, G, gs] with the smallest group_error among
-    `candidates` (first one on ties); zero is None for symmetric."""
+    """(scale, zero) per group of finite float32 g[R, G, gs]; zero is None for symmetric.
+    Through the compiled kernel (cpp/quant/search_quant.h, same bits) when it is loaded."""
+    from llmq.quant import _native
+
+    if g.device.type == "cpu" and _native.search_available():
+        rows, groups, gs = g.shape
+        scale, zero = _native.search_qparams(g.reshape(rows, groups * gs), gs, bits, symmetric)
+        return scale, zero
+    return search_qparams_torch(g, xmin, xmax, bits, symmetric)
+
+
+def search_qparams_torch(g: torch.Tensor, xmin: torch.Tensor, xmax: torch.Tensor, bits: int,
+                         symmetric: bool) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The torch reference of search_qparams: the smallest group_error among `candidates`
+    (the first one on ties)."""
     best_err = best_scale = best_zero = None
     for s, z in candidates(xmin, xmax, bits, symmetric):
         err = group_error(g, s, z, bits)

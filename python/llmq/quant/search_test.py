@@ -157,3 +157,19 @@ def test_recipe_file_selects_search_per_rule(tmp_path):
     with pytest.raises(ValueError, match="method='mse' unknown") as e:
         QuantRecipe.from_file(str(path))
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("kind", ["normal", "heavy"])
+@pytest.mark.parametrize("bits,symmetric,gs", [(2, False, 16), (3, True, 32), (4, True, 32), (4, False, 32), (5, False, 64), (8, True, 128), (8, False, 32)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_compiled_search_is_bit_identical_to_torch(kind, bits, symmetric, gs, threads):
+    from llmq.quant import _native, search
+
+    if not _native.search_available():
+        pytest.skip(f"the compiled kernel is not loaded: {_native.native_kernel_error()}")
+    w = weights(kind, (24, 128), seed=bits + gs).to(torch.bfloat16).float() * 0.03
+    g = w.reshape(24, -1, gs)
+    ts, tz = search.search_qparams_torch(g, g.amin(-1), g.amax(-1), bits, symmetric)
+    ns, nz = _native.search_qparams(w, gs, bits, symmetric, threads=threads)
+    assert torch.equal(ns.view(torch.int32), ts.view(torch.int32))
+    assert (nz is None) == (tz is None) and (nz is None or torch.equal(nz, tz))
