@@ -165,8 +165,9 @@ def test_recipe_file_selects_search_per_rule(tmp_path):
 def test_compiled_search_is_bit_identical_to_torch(kind, bits, symmetric, gs, threads):
     from llmq.quant import _native, search
 
-    if not _native.search_available():
-        pytest.skip(f"the compiled kernel is not loaded: {_native.native_kernel_error()}")
+    if not _native.search_available():  # a data dependency under Bazel: its absence is a failure, as in native_test
+        pytest.fail(f"the quantization kernel with method 'search' is not loaded ({_native.native_kernel_error()}); "
+                    "build //cpp/quant:_quant_kernel.so (bazel test does) or set LLMQ_QUANT_KERNEL to it")
     w = weights(kind, (24, 128), seed=bits + gs).to(torch.bfloat16).float() * 0.03
     g = w.reshape(24, -1, gs)
     ts, tz = search.search_qparams_torch(g, g.amin(-1), g.amax(-1), bits, symmetric)
