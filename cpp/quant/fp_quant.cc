@@ -4,12 +4,12 @@
 // (run_impl) that are instantiated once per ISA (run_base / run_avx2 / run_avx512), so every
 // path is the same source, vectorised by the compiler for its target.
 #include "fp_quant.h"
+#include "quant_kernel.h"
 
 #if defined(__x86_64__)
 #define LLMQ_FP_X86 1
 #endif
 #if defined(__linux__)
-#include <sched.h>
 #endif
 
 #include <algorithm>
@@ -317,14 +317,6 @@ Worker worker_for(InputType t, Isa isa) {
     default:
       return worker_for_type<InputType::kFloat32>(isa);
   }
-}
-
-int default_threads() {
-#if defined(__linux__)
-  cpu_set_t set;
-  if (sched_getaffinity(0, sizeof(set), &set) == 0 && CPU_COUNT(&set) > 0) return CPU_COUNT(&set);
-#endif
-  return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
 }
 
 // Runs the job over units [0, units) (rows or bands of elements_per_unit), split into

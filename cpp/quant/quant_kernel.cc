@@ -440,15 +440,6 @@ Sweeps select_sweeps(InputType t, Isa isa) {
   }
 }
 
-// CPUs this process may run on (a container's cpuset, not the host's core count).
-int default_threads() {
-#if defined(__linux__)
-  cpu_set_t set;
-  if (sched_getaffinity(0, sizeof(set), &set) == 0 && CPU_COUNT(&set) > 0) return CPU_COUNT(&set);
-#endif
-  return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-}
-
 // Outputs are usually freshly allocated, so writing them first-touches every page; with
 // 4 KiB pages those faults cost more than the quantization itself. Ask for huge pages on the
 // 2 MiB-aligned interior of a large output (a hint only: the memory stays the caller's).
@@ -530,6 +521,14 @@ void quantize_rows(const QuantizeArgs& a, Isa isa, int64_t r0, int64_t r1, std::
 }
 
 }  // namespace
+
+int default_threads() {
+#if defined(__linux__)
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0 && CPU_COUNT(&set) > 0) return CPU_COUNT(&set);
+#endif
+  return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+}
 
 Isa detect_isa() {
 #if !LLMQ_QUANT_X86

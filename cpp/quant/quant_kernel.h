@@ -58,4 +58,8 @@ NonFiniteCounts count_nonfinite(const void* data, InputType input, int64_t n);
 Isa detect_isa();
 const char* isa_name(Isa isa);
 
+// Threads a kernel uses by default: the CPUs this process may run on (a container's cpuset,
+// not the host's core count). Shared by the integer, FP and search kernels.
+int default_threads();
+
 }  // namespace llmq_quant

@@ -1,5 +1,7 @@
 #include "search_quant.h"
 
+#include "quant_kernel.h"
+
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
@@ -100,7 +102,7 @@ void search_qparams(const float* g, int64_t rows, int64_t k, int64_t group_size,
         search_group(g + r * k + gi * group_size, group_size, bits, symmetric, scale + r * groups + gi,
                      zero ? zero + r * groups + gi : nullptr);
   };
-  int t = threads > 0 ? threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  int t = threads > 0 ? threads : default_threads();
   t = static_cast<int>(std::min<int64_t>(t, std::max<int64_t>(rows, 1)));
   if (t <= 1) {
     work(0, rows);
