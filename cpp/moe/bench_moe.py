@@ -41,6 +41,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from llmq._extensions import find_extension, load_first
 from llmq.ops import load_kernel, pack_moe_experts, quantized_moe_ffn
 from llmq.ops.moe_testing import random_moe
 from llmq.quant.formats import dequantize_canonical, unpack_bits
@@ -54,6 +55,15 @@ FORMATS = {"int4g32": (4, 32, torch.float32), "int4g128": (4, 128, torch.float32
            "int8g128": (8, 128, torch.float32), "int8g32": (8, 32, torch.float32),
            "int4g32-bf": (4, 32, torch.bfloat16), "int4g128-bf": (4, 128, torch.bfloat16)}
 DENSE_POOL = 64
+
+
+def load_machine_probe():
+    """The benchmark-only probe module (cpp/moe/_machine_probe.so, a data dependency of this binary)."""
+    probe, problems = load_first("_machine_probe", find_extension("moe", "_machine_probe"))
+    if probe is None:
+        sys.exit("error: cpp/moe/_machine_probe.so not found or not loadable (run this as "
+                 "`bazel run //cpp/moe:bench_moe`)" + "".join("; " + p for p in problems))
+    return probe
 ROTATE_BYTES = 128 << 20
 
 
@@ -214,7 +224,7 @@ def _int4pack(w, i):
     return packed, sz
 
 
-def measure_case(kernel, sname, fname, tokens, threads, dense, int4pack):
+def measure_case(probe, sname, fname, tokens, threads, dense, int4pack):
     """Timings of one (shape, format) over every T and thread count, in this process:
     [(shape, fmt, T, threads, method, (median, min), isa, expert_bytes, shared_bytes, macs,
     d, f, e, k, fs, gs)], and the read bandwidths probed before each case {threads: [GB/s]}."""
@@ -230,7 +240,7 @@ def measure_case(kernel, sname, fname, tokens, threads, dense, int4pack):
         macs = t * (k * 3 * d * f + 3 * d * fs + e * d)
         for th in threads:
             torch.set_num_threads(th)
-            bw_seen[th].append(kernel.measure_read_gbps(th, 256 << 20, 4))
+            bw_seen[th].append(probe.measure_read_gbps(th, 256 << 20, 4))
             fns = {"(c) llmq op " + fname: lambda x, i, th=th: layer.run_op(x, th, i)}
             isas = {"(c) llmq op " + fname: "int8"}
             layer.run_op(inputs[0], th)  # warm-up (pool threads, workspace)
@@ -292,19 +302,20 @@ def main(argv=None):
         return 2
     kernel = load_kernel()
     if args.child:
-        results, bw = measure_case(kernel, shapes[0][0], formats[0][0], tokens, threads, args.dense,
+        results, bw = measure_case(load_machine_probe(), shapes[0][0], formats[0][0], tokens, threads, args.dense,
                                    not args.no_baselines)
         print(json.dumps({"results": results, "bw": bw}))
         return 0
     print(f"kernel isa: {kernel.best_isa()}; torch {torch.__version__}")
+    probe = load_machine_probe()
     peak = {}
     for th in threads:
         # compute peaks are stable; bandwidth is re-probed before every case (see the docstring)
         peak[th] = {
-            "bw": kernel.measure_read_gbps(th, 1 << 30, 6),
-            "fp32": max(kernel.measure_peak_gops("fp32_fma", th, 0.2) for _ in range(3)),
-            "bf16": max(kernel.measure_peak_gops("bf16_dot", th, 0.2) for _ in range(3)),
-            "int8": max(kernel.measure_peak_gops("int8_vnni", th, 0.2) for _ in range(3)),
+            "bw": probe.measure_read_gbps(th, 1 << 30, 6),
+            "fp32": max(probe.measure_peak_gops("fp32_fma", th, 0.2) for _ in range(3)),
+            "bf16": max(probe.measure_peak_gops("bf16_dot", th, 0.2) for _ in range(3)),
+            "int8": max(probe.measure_peak_gops("int8_vnni", th, 0.2) for _ in range(3)),
         }
     bw_seen = {th: [peak[th]["bw"]] for th in threads}
     results = []

@@ -9,7 +9,6 @@
 #include <stdexcept>
 #include <string>
 
-#include "machine_peak.h"
 #include "moe_kernel.h"
 #include "moe_torch_op.h"
 
@@ -137,18 +136,4 @@ PYBIND11_MODULE(_moe_kernel, m) {
         return d;
       },
       "The path and schedule the op uses now (as set by set_op_isa / set_op_schedule).");
-  m.def(
-      "measure_peak_gops",
-      [](const std::string& kind, int threads, double seconds) {
-        py::gil_scoped_release release;
-        return measure_peak_gops(kind, threads, seconds);
-      },
-      "Measured peak Gop/s of fp32_fma, bf16_dot or int8_vnni on `threads` threads.");
-  m.def(
-      "measure_read_gbps",
-      [](int threads, int64_t bytes, int repeats) {
-        py::gil_scoped_release release;
-        return measure_read_gbps(threads, bytes, repeats);
-      },
-      "Measured sequential read bandwidth (GB/s) on `threads` threads.");
 }
