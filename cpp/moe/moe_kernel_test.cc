@@ -8,21 +8,12 @@
 #include <random>
 #include <vector>
 
+#include "cpp/common/check.h"
 #include "moe_kernel.h"
 #include "thread_pool.h"
 
 using namespace llmq_moe;
 
-static int failures = 0;
-#define CHECK(cond, ...)                                  \
-  do {                                                    \
-    if (!(cond)) {                                        \
-      std::fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__); \
-      std::fprintf(stderr, __VA_ARGS__);                  \
-      std::fprintf(stderr, "\n");                         \
-      ++failures;                                         \
-    }                                                     \
-  } while (0)
 
 struct Canonical {
   int64_t n, k;
@@ -192,6 +183,6 @@ int main() {
   CHECK(!check_layout(24, 64, 4, 32).empty(), "N %% 16 != 0 accepted");
   CHECK(!check_layout(32, 64, 3, 32).empty(), "3-bit accepted");
   test_pool();
-  std::printf("isa: %s, %s\n", isa_name(detect_isa()), failures ? "FAILED" : "all passed");
-  return failures ? 1 : 0;
+  std::printf("isa: %s, %s\n", isa_name(detect_isa()), check_failures() ? "FAILED" : "all passed");
+  return check_failures() ? 1 : 0;
 }

@@ -6,6 +6,8 @@
 // round exactly like the torch reference in python/llmq/quant/quantize.py.
 #include "quant_kernel.h"
 
+#include "cpp/common/bits.h"
+
 #include <sys/mman.h>
 
 #if defined(__x86_64__)
@@ -31,17 +33,8 @@ namespace {
 // Below this many elements, starting threads costs more than it saves.
 constexpr int64_t kMinElementsPerThread = 1 << 16;
 
-inline float bits_to_float(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-inline uint32_t float_to_bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
+using llmq_bits::bits_to_float;
+using llmq_bits::float_to_bits;
 
 // IEEE binary16 -> binary32, exact (the portable path; the vector paths use F16C).
 inline float half_to_float(uint16_t h) {

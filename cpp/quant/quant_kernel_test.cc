@@ -13,33 +13,15 @@
 #include <stdexcept>
 #include <vector>
 
+#include "cpp/common/bits.h"
+#include "cpp/common/check.h"
 #include "quant_kernel.h"
 
 using namespace llmq_quant;
 
-static int failures = 0;
-#define CHECK(cond, ...)                                          \
-  do {                                                            \
-    if (!(cond)) {                                                \
-      std::fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__);   \
-      std::fprintf(stderr, __VA_ARGS__);                          \
-      std::fprintf(stderr, "\n");                                 \
-      ++failures;                                                 \
-    }                                                             \
-  } while (0)
 
-static uint32_t bits_of(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
-
-static float float_of(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
+using llmq_bits::bits_to_float;
+using llmq_bits::float_to_bits;
 struct Result {
   std::vector<uint8_t> q;
   std::vector<float> scale, bias;
@@ -71,9 +53,9 @@ static Result reference(const std::vector<float>& w, int64_t rows, int64_t k, in
         scale = (hi - lo) / (float)((1 << bits) - 1);
         if (scale < FLT_MIN) scale = FLT_MIN;
         // keep 24-bits significant bits, nearest, ties to even (via the bit pattern)
-        const uint32_t u = bits_of(scale), ulp = 1u << bits, rest = u & (ulp - 1), base = u - rest;
+        const uint32_t u = float_to_bits(scale), ulp = 1u << bits, rest = u & (ulp - 1), base = u - rest;
         const bool up = rest > ulp / 2 || (rest == ulp / 2 && (base & ulp));
-        scale = float_of(up ? base + ulp : base);
+        scale = bits_to_float(up ? base + ulp : base);
         add = -std::nearbyint(lo / scale) + 0.0f;
         if (add < 0) add = 0;
         if (add > (float)((1 << bits) - 1)) add = (float)((1 << bits) - 1);
@@ -93,7 +75,7 @@ static Result reference(const std::vector<float>& w, int64_t rows, int64_t k, in
   return r;
 }
 
-static uint16_t to_bf16(float f) { return (uint16_t)(bits_of(f) >> 16); }  // truncation: any bf16 will do
+static uint16_t to_bf16(float f) { return (uint16_t)(float_to_bits(f) >> 16); }  // truncation: any bf16 will do
 
 static Status run(const void* w, InputType t, int64_t rows, int64_t k, int bits, int64_t gs, bool sym, Isa isa,
                   int threads, Result* out) {
@@ -119,7 +101,7 @@ static Status run(const void* w, InputType t, int64_t rows, int64_t k, int bits,
 static bool same(const Result& a, const Result& b) {
   if (a.q != b.q || a.scale.size() != b.scale.size()) return false;
   for (size_t i = 0; i < a.scale.size(); ++i)
-    if (bits_of(a.scale[i]) != bits_of(b.scale[i]) || bits_of(a.bias[i]) != bits_of(b.bias[i])) return false;
+    if (float_to_bits(a.scale[i]) != float_to_bits(b.scale[i]) || float_to_bits(a.bias[i]) != float_to_bits(b.bias[i])) return false;
   return true;
 }
 
@@ -155,7 +137,7 @@ static void test_paths_match_reference() {
         std::vector<float> wbf(w.size());
         for (size_t i = 0; i < w.size(); ++i) {
           wb[i] = to_bf16(w[i]);
-          wbf[i] = float_of((uint32_t)wb[i] << 16);
+          wbf[i] = bits_to_float((uint32_t)wb[i] << 16);
         }
         const Result want = reference(w, rows, k, bits, gs, sym), want_bf = reference(wbf, rows, k, bits, gs, sym);
         for (int isa = 1; isa <= (int)best; ++isa)
@@ -241,7 +223,7 @@ static void test_errors() {
 static void test_count_nonfinite() {
   std::mt19937 gen(7);
   std::uniform_real_distribution<float> val(-3.0f, 3.0f);
-  const float specials[] = {NAN, -NAN, INFINITY, -INFINITY, float_of(0x7F800001u), float_of(0xFFC12345u)};
+  const float specials[] = {NAN, -NAN, INFINITY, -INFINITY, bits_to_float(0x7F800001u), bits_to_float(0xFFC12345u)};
   for (int64_t n : {0, 1, 31, 16384, 16385, 70000}) {
     std::vector<float> w(n);
     std::vector<uint16_t> b(n), h(n);
@@ -250,7 +232,7 @@ static void test_count_nonfinite() {
       w[i] = (gen() % 97 == 0) ? specials[gen() % 6] : val(gen);
       want_nan += std::isnan(w[i]);
       want_inf += std::isinf(w[i]);
-      b[i] = static_cast<uint16_t>(bits_of(w[i]) >> 16);  // truncation keeps specials special
+      b[i] = static_cast<uint16_t>(float_to_bits(w[i]) >> 16);  // truncation keeps specials special
     }
     NonFiniteCounts c = count_nonfinite(w.data(), InputType::kFloat32, n);
     CHECK(c.nan == want_nan && c.inf == want_inf, "fp32 n=%lld: %lld/%lld vs %lld/%lld", (long long)n,
@@ -258,7 +240,7 @@ static void test_count_nonfinite() {
     // bf16: counted on the truncated values themselves (0x7F800001, a NaN, truncates to Inf)
     int64_t bn = 0, bi = 0, hn = 0, hi = 0;
     for (int64_t i = 0; i < n; ++i) {
-      const float wb = float_of(static_cast<uint32_t>(b[i]) << 16);
+      const float wb = bits_to_float(static_cast<uint32_t>(b[i]) << 16);
       bn += std::isnan(wb);
       bi += std::isinf(wb);
       // fp16 patterns: exponent field (bits 10..14) all ones <=> special
@@ -283,8 +265,8 @@ int main() {
   test_float16_input();
   test_errors();
   test_count_nonfinite();
-  if (failures) {
-    std::fprintf(stderr, "%d failure(s)\n", failures);
+  if (check_failures()) {
+    std::fprintf(stderr, "%d failure(s)\n", check_failures());
     return 1;
   }
   std::printf("all passed\n");
