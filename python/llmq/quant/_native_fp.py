@@ -29,9 +29,12 @@ def _plain(w, block: int) -> bool:
     )
 
 
-def _override(scale, expect: Tuple[int, ...]) -> Optional[torch.Tensor]:
-    """A caller-given scale as the reference keeps it (float32, contiguous), or None if it is
-    not one the reference would accept."""
+def _scale_buffer(scale, expect: Tuple[int, ...]) -> Optional[torch.Tensor]:
+    """Where the kernel reads or writes the scale: a new float32 buffer of shape `expect` when the
+    caller gave none (the kernel computes it), else the caller's scale as the reference keeps it
+    (float32, contiguous), or None if it is not one the reference would accept."""
+    if scale is None:
+        return torch.empty(expect, dtype=torch.float32)
     try:
         scale = torch.as_tensor(scale, dtype=torch.float32)
     except (TypeError, ValueError, RuntimeError):
@@ -63,12 +66,9 @@ def quantize_fp8(w, granularity: str, scale=None, *, threads: Optional[int] = No
             return None
         expect, rows_per_scale = shape[:-2] + (shape[-2] // 128, shape[-1] // 128), 1
     compute = scale is None
-    if compute:
-        scale = torch.empty(expect, dtype=torch.float32)
-    else:
-        scale = _override(scale, expect)
-        if scale is None:
-            return None
+    scale = _scale_buffer(scale, expect)
+    if scale is None:
+        return None
     rows = _rows(w)
     out = torch.empty(rows.shape, dtype=torch.uint8)
     status = m.quantize_fp8(
@@ -104,12 +104,9 @@ def quantize_nvfp4(w, global_scale=None, *, threads: Optional[int] = None, isa: 
     lead, k = shape[:-1], shape[-1]
     expect = shape[:-2]
     compute = global_scale is None
-    if compute:
-        g = torch.empty(expect, dtype=torch.float32)
-    else:
-        g = _override(global_scale, expect)
-        if g is None:
-            return None
+    g = _scale_buffer(global_scale, expect)
+    if g is None:
+        return None
     rows = _rows(w)
     codes = torch.empty(lead + (k // 2,), dtype=torch.uint8)
     block_scale = torch.empty(lead + (k // 16,), dtype=torch.uint8)
