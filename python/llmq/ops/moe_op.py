@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 
 from llmq.ops.kernel_loader import MoEKernelUnavailable, load_kernel, moe_kernel_available
+from llmq.ops.packing import check_kernel_layout
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 _isa = os.environ.get("LLMQ_MOE_ISA", "auto")
@@ -65,14 +66,7 @@ def _check_sb_pair(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
 
 
 def _check_matrix(q: torch.Tensor, sb: torch.Tensor, name: str, e: int, n: int, k: int, bits: int, gs: int):
-    if bits not in (4, 8):
-        raise ValueError(f"quantized_moe_ffn: {name} bits must be 4 or 8, got {bits}")
-    if gs <= 0 or gs % 32:
-        raise ValueError(f"quantized_moe_ffn: {name} group_size must be a positive multiple of 32, got {gs}")
-    if k % gs:
-        raise ValueError(f"quantized_moe_ffn: {name} group_size {gs} does not divide its input dimension {k}")
-    if n % 16:
-        raise ValueError(f"quantized_moe_ffn: {name} output dimension {n} is not a multiple of 16")
+    check_kernel_layout(n, k, bits, gs, f"quantized_moe_ffn: {name}")
     _expect(q, f"{name}_qdata", torch.uint8, (e, n // 16, 16 * k * bits // 8))
     if sb.dtype not in _SB_DTYPES or tuple(sb.shape) != (e, n // 16, 32 * (k // gs)):
         raise ValueError(f"quantized_moe_ffn: {name}_sb must be float32 or bfloat16 {[e, n // 16, 32 * (k // gs)]}, "
