@@ -12,12 +12,10 @@ from llmq.checkpoint.bundle import (
     BUNDLE_VERSION,
     SOURCE_FILES,
     BundleWriter,
-    iter_bundle,
-    load_bundle,
-    read_manifest,
     save_bundle,
     source_files,
 )
+from llmq.checkpoint.bundle_reader import iter_bundle, load_bundle, read_manifest
 from llmq.checkpoint.errors import (
     BundleVersionError,
     CheckpointError,

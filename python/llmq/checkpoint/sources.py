@@ -153,7 +153,7 @@ class BundleSource(Source):
     canonical form, instead of as their stored .qdata/.scale/.bias entries."""
 
     def __init__(self, path: str):
-        from llmq.checkpoint import bundle  # bundle.py does not import this module: no cycle
+        from llmq.checkpoint import bundle_reader as bundle  # it does not import this module: no cycle
 
         self._bundle = bundle
         self.path = path
