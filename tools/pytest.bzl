@@ -1,6 +1,6 @@
 """llmq_py_test: one Bazel test target per pytest file, gated by backend.
 
-The test runs pytest on its file (so a failure prints pytest's own report) through
+The test runs pytest on its file (`srcs`, by default `<name>.py`) (so a failure prints pytest's own report) through
 //tools:pytest_runner.py. `backend = "cuda"`, `"mlx"` or `"executorch"` makes the target incompatible,
 hence SKIPPED by `bazel test //...`, on machines without that runtime.
 """
@@ -11,7 +11,9 @@ _BACKEND_CONSTRAINTS = {
     "executorch": "@llmq_platform//:executorch_present",
 }
 
-def llmq_py_test(name, srcs, deps = [], data = [], backend = None, args = [], tags = [], env = {}, **kwargs):
+def llmq_py_test(name, srcs = None, deps = [], data = [], backend = None, args = [], tags = [], env = {}, **kwargs):
+    if srcs == None:
+        srcs = [name + ".py"]
     if len(srcs) != 1:
         fail("llmq_py_test %s: give exactly one test file in srcs (got %s)" % (name, srcs))
     compat = []
