@@ -43,15 +43,31 @@ static Canonical random_canonical(int64_t n, int64_t k, int bits, int gs, std::m
   return c;
 }
 
+// A canonical matrix in the kernel's tiled layout; `m` points into q and sb.
+struct Packed {
+  QMatrix m;
+  std::vector<uint8_t> q;
+  std::vector<float> sb;
+};
+
+static Packed pack(const Canonical& c) {
+  Packed p;
+  p.m.n = c.n, p.m.k = c.k, p.m.bits = c.bits, p.m.group_size = c.gs;
+  p.q.resize(p.m.matrix_qbytes());
+  p.sb.resize(p.m.matrix_sbfloats());
+  pack_matrix(c.packed.data(), c.scale.data(), c.bias.data(), c.n, c.k, c.bits, c.gs, p.q.data(), p.sb.data());
+  p.m.qdata = p.q.data();
+  p.m.sb = p.sb.data();
+  return p;
+}
+
 // Packing: every element lands where the header's formula says.
 static void test_pack(int bits, int gs, std::mt19937& rng) {
   const int64_t n = 32, k = 4 * gs;
   Canonical c = random_canonical(n, k, bits, gs, rng);
-  QMatrix m;
-  m.n = n, m.k = k, m.bits = bits, m.group_size = gs;
-  std::vector<uint8_t> q(m.matrix_qbytes());
-  std::vector<float> sb(m.matrix_sbfloats());
-  pack_matrix(c.packed.data(), c.scale.data(), c.bias.data(), n, k, bits, gs, q.data(), sb.data());
+  Packed p = pack(c);
+  const std::vector<uint8_t>& q = p.q;
+  const std::vector<float>& sb = p.sb;
   const int64_t groups = k / gs, per = bits == 4 ? 8 : 4, steps = gs / per;
   for (int64_t row = 0; row < n; ++row)
     for (int64_t col = 0; col < k; ++col) {
@@ -80,13 +96,9 @@ static std::vector<Isa> fast_isas() {
 static void test_tile(int bits, int gs, int nt, int mcount, std::mt19937& rng) {
   const int64_t n = 64, k = 4 * gs;
   Canonical c = random_canonical(n, k, bits, gs, rng);
-  QMatrix m;
-  m.n = n, m.k = k, m.bits = bits, m.group_size = gs;
-  std::vector<uint8_t> q(m.matrix_qbytes());
-  std::vector<float> sb(m.matrix_sbfloats());
-  pack_matrix(c.packed.data(), c.scale.data(), c.bias.data(), n, k, bits, gs, q.data(), sb.data());
-  m.qdata = q.data();
-  m.sb = sb.data();
+  Packed p = pack(c);
+  const QMatrix& m = p.m;
+  const std::vector<float>& sb = p.sb;
   std::normal_distribution<float> xd(0.f, 1.f);
   const int64_t groups = k / gs;
   std::vector<float> x(mcount * k), as(mcount * groups), asum(mcount * groups);

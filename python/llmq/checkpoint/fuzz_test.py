@@ -101,13 +101,18 @@ def check_against_reference(path, ours):
             assert torch.equal(ref.view(torch.uint8), ours[k].view(torch.uint8)) if ref.numel() else True
 
 
+def write_mutated(workdir, name: str, seed: bytes, ops) -> str:
+    """The seed file's bytes with the mutations applied, written as workdir/name."""
+    path = os.path.join(workdir, name)
+    with open(path, "wb") as f:
+        f.write(mutate(seed, ops))
+    return path
+
+
 @fuzz(1000)
 @given(ops=mutations(hot_bytes=200))
 def test_mutated_safetensors(workdir, ops):
-    data = mutate(seed_safetensors.cache, ops)
-    path = os.path.join(workdir, "m.safetensors")
-    with open(path, "wb") as f:
-        f.write(data)
+    path = write_mutated(workdir, "m.safetensors", seed_safetensors.cache, ops)
     ours = read_all(path, nonfinite="allow")
     check_against_reference(path, ours)
 
@@ -181,10 +186,7 @@ def seed_gguf(workdir):
 @fuzz(700)
 @given(ops=mutations(hot_bytes=400))
 def test_mutated_gguf(workdir, ops):
-    data = mutate(seed_gguf.cache, ops)
-    path = os.path.join(workdir, "m.gguf")
-    with open(path, "wb") as f:
-        f.write(data)
+    path = write_mutated(workdir, "m.gguf", seed_gguf.cache, ops)
     got = read_all(path, nonfinite="error")
     if not isinstance(got, CheckpointError):
         for v in got.values():
