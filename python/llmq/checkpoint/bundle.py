@@ -53,12 +53,8 @@ from llmq.checkpoint.errors import (
     TensorMismatchError,
 )
 from llmq.checkpoint.fileio import copy_file, fsync_path, write_all, write_error, write_file_atomic
-from llmq.checkpoint.safetensors_io import (
-    DTYPE_NAMES,
-    encode_header,
-    entry_fragment_size,
-    header_json_size,
-)
+from llmq.checkpoint.safetensors_io import DTYPE_NAMES
+from llmq.checkpoint.shard_file import ShardLayout, header_reserve
 from llmq.quant.formats import Format, format_of, format_names, get_format
 
 Value = Any  # a torch.Tensor or a quantized weight of any registered format (llmq.quant.formats)
@@ -153,13 +149,6 @@ def _write_atomic(path: str, data: bytes, *, fsync: bool) -> None:
     write_file_atomic(path, data, fsync=fsync)
 
 
-def _tensor_bytes(t: torch.Tensor) -> memoryview:
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
-
-
 def _describe(fqn: str, value: Value) -> Tuple[Dict[str, Any], List[Tuple[str, torch.Tensor]]]:
     """The manifest record of one tensor and its (entry name, tensor) parts.
 
@@ -229,20 +218,6 @@ def _check_extra_files(paths: Iterable[os.PathLike]) -> List[str]:
                                   "file", path=path)
         names.add(name)
     return paths
-
-
-def header_reserve(max_shard_bytes: int) -> int:
-    """Bytes kept free at the start of each shard for its header (length prefix included).
-
-    Data is written straight after this gap and the header, padded with spaces to fill
-    it exactly, goes in last: no second copy of the shard. 1/2048 of the shard size
-    (a power of two between 4 KiB and 1 MiB) holds thousands of entries; a shard whose
-    header would outgrow it is closed early.
-    """
-    reserve = 4096
-    while reserve < 1 << 20 and reserve * 2048 < max_shard_bytes:
-        reserve *= 2
-    return reserve
 
 
 class _Worker:
@@ -315,19 +290,16 @@ class _Worker:
 class _ShardBuilder:
     """One shard being filled: tensor bytes are written in arrival order after a reserved header gap.
 
-    The layout (``place``, ``header``) is decided in the caller's thread; ``write``,
-    ``finish`` and ``discard`` touch the file and run on the writer thread.
+    The layout (``place``, ``header``: a ShardLayout) is decided in the caller's thread;
+    ``write``, ``end_writes``, ``seal`` and ``discard`` touch the file and run on background threads.
     """
 
     def __init__(self, folder: str, index: int, reserve: int):
         self.folder = folder
         self.file = f"model-{index:05d}.safetensors"
         self.tmp = os.path.join(folder, self.file + ".tmp")
-        self.reserve = reserve
-        self.nbytes = 0  # data bytes placed
+        self.layout = ShardLayout(reserve, SHARD_METADATA)
         self.tensors: List[Tuple[str, Dict[str, Any]]] = []
-        self._entries: List[Tuple[str, torch.dtype, Tuple[int, ...], int]] = []
-        self._fragment_sizes: List[int] = []
         self._fd: Optional[int] = None
         self._unflushed = 0  # bytes written since the last fdatasync was queued
 
@@ -342,38 +314,20 @@ class _ShardBuilder:
 
     def fits(self, parts: List[Tuple[str, torch.Tensor]], max_bytes: int) -> bool:
         """Whether the parts can join this shard: size limit, natural alignment, header room."""
-        if not self.tensors:
-            return True
-        parts = self._ordered(parts)
-        if self.nbytes % parts[0][1].element_size():
-            return False  # safetensors data may not contain holes, so misaligned data opens a new shard
-        offset, sizes = self.nbytes, list(self._fragment_sizes)
-        for name, t in parts:
-            n = t.numel() * t.element_size()
-            sizes.append(entry_fragment_size(name, t.dtype, tuple(t.shape), offset, offset + n))
-            offset += n
-        return (offset <= max_bytes
-                and header_json_size(SHARD_METADATA, sizes) <= self.reserve - 8)
+        return self.layout.accepts(self._ordered(parts), max_bytes)
 
     def place(self, fqn: str, record: Dict[str, Any],
               parts: List[Tuple[str, torch.Tensor]]) -> List[Tuple[str, int, memoryview]]:
         """Reserve room for the parts; return (entry, file offset, bytes) for the writer thread."""
-        writes = []
-        for entry, t in self._ordered(parts):
-            mv = _tensor_bytes(t)
-            self._fragment_sizes.append(
-                entry_fragment_size(entry, t.dtype, tuple(t.shape), self.nbytes, self.nbytes + len(mv)))
-            writes.append((entry, self.reserve + self.nbytes, mv))
-            self._entries.append((entry, t.dtype, tuple(t.shape), len(mv)))
-            self.nbytes += len(mv)
+        writes = self.layout.place(self._ordered(parts))
         self.tensors.append((fqn, _normalised(dict(record, shard=self.file))))
         return writes
 
     def header_overflows(self) -> bool:
-        return header_json_size(SHARD_METADATA, self._fragment_sizes) > self.reserve - 8
+        return self.layout.header_overflows()
 
     def header(self) -> bytes:
-        return encode_header(self._entries, SHARD_METADATA, pad_to=self.reserve - 8)
+        return self.layout.header()
 
     # -- writer thread ----------------------------------------------------------------------------------
     def _open(self) -> int:
@@ -414,7 +368,7 @@ class _ShardBuilder:
     def seal(self) -> Dict[str, Any]:
         """Hash the finished file and rename it into place; return its journal record."""
         final = os.path.join(self.folder, self.file)
-        size = self.reserve + self.nbytes
+        size = self.layout.reserve + self.layout.nbytes
         try:
             # Every byte was written (write_all) before this; a file of another size would hold a
             # hole that reading through mmap turns into SIGBUS on a full tmpfs, so it is refused.

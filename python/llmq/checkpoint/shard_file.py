@@ -1,15 +1,16 @@
-"""One safetensors file written tensor by tensor: the streaming shard writer of the Hugging Face
-export (llmq.export.shards) and the MLX folder writer (backends/mlx).
+"""Safetensors shards written tensor by tensor. `ShardLayout` decides where every tensor goes
+and what the header says, for every llmq shard writer (the bundle, which writes on background
+threads; the Hugging Face export and the MLX folder, through `StreamingShardFile`).
 
 Each tensor's bytes go to the file when it is added, after a gap reserved for the header
-(`header_reserve`, as in the bundle writer), so memory holds only the tensor in flight
+(`header_reserve`), so memory holds only the tensor in flight
 whatever the shard size, and every byte is written once. `close` writes the header into the
 gap, padded with spaces (which JSON, and every safetensors reader, ignores). The result is a
 valid safetensors file: keys in data order, data back to back from offset 0. It is not
 byte-identical to `safetensors.torch.save_file`, which orders tensors by dtype and name and
 therefore needs the whole shard in memory first.
 
-`fits` says whether a tensor can join the file: the size limit, natural alignment (the data
+`accepts` (`fits` for one tensor) says whether a tensor can join the file: the size limit, natural alignment (the data
 may not contain holes, so a tensor whose offset would not be a multiple of its element size
 starts a new file) and room in the header gap.
 """
@@ -21,72 +22,127 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from llmq.checkpoint.bundle import header_reserve
 from llmq.checkpoint.fileio import write_all, write_error
 from llmq.checkpoint.safetensors_io import encode_header, entry_fragment_size, header_json_size
 
-__all__ = ["StreamingShardFile", "header_reserve"]
+__all__ = ["ShardLayout", "StreamingShardFile", "header_reserve", "tensor_bytes"]
 
 
+def header_reserve(max_shard_bytes: int) -> int:
+    """Bytes kept free at the start of each shard for its header (length prefix included).
 
-def _tensor_bytes(t: torch.Tensor) -> memoryview:
+    Data is written straight after this gap and the header, padded with spaces to fill
+    it exactly, goes in last: no second copy of the shard. 1/2048 of the shard size
+    (a power of two between 4 KiB and 1 MiB) holds thousands of entries; a shard whose
+    header would outgrow it is closed early.
+    """
+    reserve = 4096
+    while reserve < 1 << 20 and reserve * 2048 < max_shard_bytes:
+        reserve *= 2
+    return reserve
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The tensor's bytes (row-major, on the CPU) without a copy where it already is so."""
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
     return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
-class StreamingShardFile:
-    """A safetensors file at `path`, filled by `add` and finished by `close`."""
+class ShardLayout:
+    """Where each tensor goes in one safetensors file whose data follows a `reserve`-byte
+    header gap: data back to back in placement order, and the header that describes it.
+    Every llmq writer of safetensors shards (the bundle, the HF export, the MLX folder) lays
+    its files out with this class; they differ only in how the bytes reach the disk."""
 
-    def __init__(self, path: str, reserve: int, metadata: Optional[Dict[str, str]] = None):
-        self.path = path
+    def __init__(self, reserve: int, metadata: Optional[Dict[str, str]] = None):
         self.reserve = reserve
         self.metadata = dict(metadata or {"format": "pt"})
-        self.nbytes = 0  # data bytes written
+        self.nbytes = 0  # data bytes placed
         self.sizes: Dict[str, int] = {}  # name -> nbytes, in data order
         self._entries: List[Tuple[str, torch.dtype, Tuple[int, ...], int]] = []
         self._fragments: List[int] = []
-        self._fd: Optional[int] = None
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def fits(self, name: str, t: torch.Tensor, max_bytes: int) -> bool:
-        """Whether `t` can be added without passing max_bytes of data, breaking alignment or
-        outgrowing the header gap (an empty file takes anything that fits its header)."""
-        n = t.numel() * t.element_size()
-        fragment = entry_fragment_size(name, t.dtype, tuple(t.shape), self.nbytes, self.nbytes + n)
-        header_ok = header_json_size(self.metadata, self._fragments + [fragment]) <= self.reserve - 8
+    def accepts(self, parts: List[Tuple[str, torch.Tensor]], max_bytes: int) -> bool:
+        """Whether the parts, placed in this order, can join without passing max_bytes of data,
+        breaking natural alignment (safetensors data may not contain holes) or outgrowing the
+        header gap. An empty shard takes anything: one item too large for the header is
+        reported by `header_overflows` after `place`."""
         if not self._entries:
-            return header_ok
-        return header_ok and self.nbytes + n <= max_bytes and self.nbytes % t.element_size() == 0
+            return True
+        if self.nbytes % parts[0][1].element_size():
+            return False
+        offset, fragments = self.nbytes, list(self._fragments)
+        for name, t in parts:
+            n = t.numel() * t.element_size()
+            fragments.append(entry_fragment_size(name, t.dtype, tuple(t.shape), offset, offset + n))
+            offset += n
+        return offset <= max_bytes and header_json_size(self.metadata, fragments) <= self.reserve - 8
+
+    def place(self, parts: List[Tuple[str, torch.Tensor]]) -> List[Tuple[str, int, memoryview]]:
+        """Reserve room for the parts, in order; return (name, file offset, bytes) for each."""
+        writes = []
+        for name, t in parts:
+            if name in self.sizes:
+                raise ValueError(f"tensor {name!r} written twice")
+            mv = tensor_bytes(t)
+            self._fragments.append(entry_fragment_size(name, t.dtype, tuple(t.shape), self.nbytes, self.nbytes + len(mv)))
+            self._entries.append((name, t.dtype, tuple(t.shape), len(mv)))
+            writes.append((name, self.reserve + self.nbytes, mv))
+            self.sizes[name] = len(mv)
+            self.nbytes += len(mv)
+        return writes
+
+    def header_overflows(self) -> bool:
+        return header_json_size(self.metadata, self._fragments) > self.reserve - 8
+
+    def header(self) -> bytes:
+        """The header, padded with spaces to fill the gap exactly."""
+        return encode_header(self._entries, self.metadata, pad_to=self.reserve - 8)
+
+
+class StreamingShardFile(ShardLayout):
+    """A safetensors file at `path`, filled by `add` (each tensor's bytes written at once) and
+    finished by `close`."""
+
+    def __init__(self, path: str, reserve: int, metadata: Optional[Dict[str, str]] = None):
+        super().__init__(reserve, metadata)
+        self.path = path
+        self._fd: Optional[int] = None
+
+    def fits(self, name: str, t: torch.Tensor, max_bytes: int) -> bool:
+        """Whether `t` can be added (`accepts`); an empty file takes anything whose header fits."""
+        if len(self):
+            return self.accepts([(name, t)], max_bytes)
+        n = t.numel() * t.element_size()
+        return header_json_size(self.metadata, [entry_fragment_size(name, t.dtype, tuple(t.shape), 0, n)]) <= self.reserve - 8
 
     def add(self, name: str, t: torch.Tensor) -> None:
         """Write t's bytes now (the caller may drop t afterwards)."""
         if name in self.sizes:
             raise ValueError(f"tensor {name!r} written twice")
-        mv = _tensor_bytes(t)
-        fragment = entry_fragment_size(name, t.dtype, tuple(t.shape), self.nbytes, self.nbytes + len(mv))
+        n = t.numel() * t.element_size()
+        fragment = entry_fragment_size(name, t.dtype, tuple(t.shape), self.nbytes, self.nbytes + n)
         if header_json_size(self.metadata, self._fragments + [fragment]) > self.reserve - 8:
             raise ValueError(f"tensor {name!r}: the header of {self.path} would outgrow its {self.reserve}-byte reserve")
+        [(_, offset, mv)] = self.place([(name, t)])
         try:
             if self._fd is None:
                 self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666)  # the umask decides
-            write_all(self._fd, mv, self.reserve + self.nbytes)
+            write_all(self._fd, mv, offset)
         except OSError as e:
             raise write_error(e, self.path, "writing the shard", tensor=name) from None
-        self._fragments.append(fragment)
-        self._entries.append((name, t.dtype, tuple(t.shape), len(mv)))
-        self.sizes[name] = len(mv)
-        self.nbytes += len(mv)
 
     def close(self) -> None:
         """Write the header into the gap and close the file."""
         try:
             if self._fd is None:
                 self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666)
-            write_all(self._fd, encode_header(self._entries, self.metadata, pad_to=self.reserve - 8), 0)
+            write_all(self._fd, self.header(), 0)
         except OSError as e:
             raise write_error(e, self.path, "writing the shard header") from None
         finally:
