@@ -1,0 +1,147 @@
+"""Mixed precision under a size budget: each weight gets the option (a QuantConfig) that keeps
+the total weight error smallest while the quantized matrices fit in `budget_bits_per_weight`.
+
+How it works:
+1. `measure_options` quantizes one weight with every candidate config and records, per option,
+   the bits a backend stores for it (`stored_bits`: integer codes plus a 16-bit scale per group,
+   and a 16-bit zero point when asymmetric, as MLX and GGUF store them, not the canonical
+   float32 pair; other formats exactly as stored) and its squared weight
+   error, optionally weighted per input channel by an importance vector (the imatrix idea:
+   the mean squared activation of each input column, so an error on a busy column costs more).
+   Only these numbers are kept: the stream is read once and no quantized weight is held.
+2. `choose` solves the multiple-choice knapsack by its Lagrangian relaxation: for a price
+   `lam` per bit every weight independently takes the option minimising error + lam * bits;
+   bisection finds the cheapest price whose choice fits the budget, then the bits still free
+   go, greedily, to the upgrades with the best error saved per extra bit.
+3. `budget_recipe` writes the choice as an ordinary recipe: one exact rule per weight, in the
+   order the weights were measured, readable and editable (docs/formats.md, "Recipes").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+
+from llmq.quant.formats import nbytes_of
+from llmq.quant.quantize import dequantize, quantize_weight
+from llmq.quant.recipe import INT_FORMAT, QuantConfig, QuantRecipe, QuantRule
+
+# Integer group-wise options every backend takes (MLX: bits 3..8, groups 32..128).
+DEFAULT_OPTIONS: Tuple[QuantConfig, ...] = (
+    QuantConfig(bits=3, group_size=32, symmetric=False),
+    QuantConfig(bits=4, group_size=128, symmetric=False),
+    QuantConfig(bits=4, group_size=32, symmetric=False),
+    QuantConfig(bits=5, group_size=32, symmetric=False),
+    QuantConfig(bits=6, group_size=32, symmetric=False),
+    QuantConfig(bits=8, group_size=32, symmetric=False),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """One way to store one weight: its config, the bits it takes and the error it leaves."""
+
+    config: QuantConfig
+    bits: int
+    error: float
+
+
+def stored_bits(q, config: QuantConfig) -> int:
+    """Bits a backend stores for quantized weight `q` (see the module docstring)."""
+    if config.format == INT_FORMAT:
+        groups = q.scale.numel()
+        return math.prod(q.shape) * config.bits + groups * (16 if config.symmetric else 32)
+    return nbytes_of(q) * 8
+
+
+def weight_error(w: torch.Tensor, approx: torch.Tensor, importance: Optional[torch.Tensor] = None) -> float:
+    """sum((w - approx)^2 * importance[column]) in float64 (importance: one weight per input column)."""
+    diff = (w.double() - approx.double()).pow(2)
+    if importance is not None:
+        diff = diff * importance.double().reshape((1,) * (diff.dim() - 1) + (-1,))
+    return float(diff.sum())
+
+
+def measure_options(name: str, w: torch.Tensor, configs: Sequence[QuantConfig] = DEFAULT_OPTIONS,
+                    importance: Optional[torch.Tensor] = None) -> List[Option]:
+    """Every config that can hold `w` (its group size divides K), with its bits and error."""
+    if importance is not None and importance.shape != (w.shape[-1],):
+        raise ValueError(f"{name}: importance has shape {list(importance.shape)}, expected [{w.shape[-1]}] "
+                         "(one value per input column)")
+    options = []
+    for config in configs:
+        gs = config.group_size_for(w.shape[-1])
+        if gs <= 0 or w.shape[-1] % gs:
+            continue
+        q = quantize_weight(w, config, name=name)
+        options.append(Option(config, stored_bits(q, config), weight_error(w, dequantize(q, torch.float32), importance)))
+    if not options:
+        raise ValueError(f"{name}: none of the candidate configs fits its shape {list(w.shape)}")
+    return options
+
+
+def _pick(options: List[Option], lam: float) -> int:
+    return min(range(len(options)), key=lambda i: (options[i].error + lam * options[i].bits, options[i].bits))
+
+
+def choose(options: Dict[str, List[Option]], numel: Dict[str, int], budget_bits_per_weight: float) -> Dict[str, int]:
+    """The index of the chosen option of every weight: the smallest total error whose bits
+    fit budget_bits_per_weight * (total elements). ValueError if even the smallest options do not."""
+    budget = budget_bits_per_weight * sum(numel[n] for n in options)
+    smallest = {n: min(range(len(o)), key=lambda i: (o[i].bits, o[i].error)) for n, o in options.items()}
+    least = sum(options[n][i].bits for n, i in smallest.items())
+    if least > budget:
+        total = sum(numel[n] for n in options)
+        raise ValueError(f"budget {budget_bits_per_weight} bits per weight is below the smallest candidate "
+                         f"assignment ({least / total:.3f} bits per weight); add smaller options or raise the budget")
+
+    def total_bits(choice: Dict[str, int]) -> int:
+        return sum(options[n][i].bits for n, i in choice.items())
+
+    lo, hi = 0.0, 1.0
+    while total_bits({n: _pick(o, hi) for n, o in options.items()}) > budget:
+        hi *= 4
+        if hi > 1e30:
+            break
+    for _ in range(100):  # bisection on the price of a bit
+        mid = (lo + hi) / 2
+        if total_bits({n: _pick(o, mid) for n, o in options.items()}) > budget:
+            lo = mid
+        else:
+            hi = mid
+    choice = {n: _pick(o, hi) for n, o in options.items()}
+    if total_bits(choice) > budget:
+        choice = smallest
+    # Spend what is left on the upgrades that save the most error per extra bit.
+    free = budget - total_bits(choice)
+    while True:
+        best = None
+        for n, o in options.items():
+            cur = o[choice[n]]
+            for i, opt in enumerate(o):
+                extra = opt.bits - cur.bits
+                saved = cur.error - opt.error
+                if 0 < extra <= free and saved > 0 and (best is None or saved / extra > best[0]):
+                    best = (saved / extra, n, i, extra)
+        if best is None:
+            return choice
+        _, n, i, extra = best
+        choice[n] = i
+        free -= extra
+
+
+def budget_recipe(chosen: Iterable[Tuple[str, QuantConfig]]) -> QuantRecipe:
+    """An ordinary recipe with one exact rule per (module, config), in the given order."""
+    return QuantRecipe([QuantRule(re.escape(module), config) for module, config in chosen])
+
+
+def summarize(options: Dict[str, List[Option]], numel: Dict[str, int], choice: Dict[str, int]) -> Dict[str, float]:
+    """Bits per weight and total error of a choice (for the run's table)."""
+    bits = sum(options[n][i].bits for n, i in choice.items())
+    total = sum(numel[n] for n in choice)
+    return {"bits_per_weight": bits / max(total, 1), "error": sum(options[n][i].error for n, i in choice.items()),
+            "weights": float(total)}
