@@ -1,0 +1,38 @@
+"""collect_importance against the activations computed by hand."""
+
+import pytest
+import torch
+from torch import nn
+
+from llmq.quant.importance import collect_importance, token_batches
+
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(50, 16)
+        self.up = nn.Linear(16, 32)
+        self.down = nn.Linear(32, 8, bias=False)
+
+    def forward(self, ids):
+        return self.down(torch.relu(self.up(self.embed(ids))))
+
+
+def test_importance_is_the_mean_squared_input_of_every_linear():
+    torch.manual_seed(0)
+    model = Tiny()
+    ids = torch.randint(0, 50, (37,))
+    got = collect_importance(model, token_batches(ids, 10))
+    assert set(got) == {"up", "down"}
+    x = model.embed.weight[ids].double()  # every token once, by hand
+    h = torch.relu(x @ model.up.weight.double().T + model.up.bias.double())
+    torch.testing.assert_close(got["up"].double(), (x ** 2).mean(0), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(got["down"].double(), (h ** 2).mean(0), rtol=1e-5, atol=1e-7)
+    assert not model.up._forward_pre_hooks  # hooks removed
+
+
+def test_token_batches_cover_the_stream_and_refuse_bad_input():
+    ids = torch.arange(25)
+    assert torch.equal(torch.cat([b[0] for b in token_batches(ids, 10)]), ids)
+    with pytest.raises(ValueError, match="non-empty 1-D"):
+        list(token_batches(torch.zeros(2, 3, dtype=torch.long), 4))
