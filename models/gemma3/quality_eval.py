@@ -1,0 +1,315 @@
+"""Quantization quality on a real Gemma 3, measured fairly (docs/quality.md has the table).
+
+bazel run //models/gemma3:quality_eval -- --checkpoint=gemma-3-270m-q4_k_m.gguf \
+    --held_text=FILE --calibration_text=FILE [--tokens=16384] [--write_reference_gguf=F32.gguf] \
+    [--llama_cpp=NAME=FILE.gguf ...]
+
+The checkpoint is itself Q4_K_M: its dequantized weights sit on llama.cpp's grids, which
+flatters any quantizer whose grid matches. So the reference is moved off-grid first by an
+exact, function-preserving rescaling (`off_grid`): per layer, per-input-channel factors s
+multiply the input columns of q/k/v_proj and divide the effective input-norm scale (Gemma's
+1 + w), likewise for gate/up_proj and the pre-feed-forward norm; factors t multiply v_proj's
+rows and divide o_proj's matching columns (every query head sharing that KV head); factors u
+multiply up_proj's rows and divide down_proj's columns. The script checks and prints both
+facts: how much the logits moved, and how many int4 groups of 32 still lie on a grid.
+
+Each variant quantizes the seven projection matrices of every layer (embeddings stay float,
+as in the llama.cpp runs, made with --token-embedding-type f32); `bpw` counts their stored
+bits with 16-bit scales (and zero points where asymmetric), as MLX and GGUF store them.
+On --tokens of the held text (non-overlapping windows of --window tokens) it reports, against
+the reference: mean KL(reference || variant) of the next-token distribution, perplexity, and
+top-1 agreement. The calibration text (a different file) feeds the importance statistics
+(imatrix) of the weighted variants. `--llama_cpp NAME=FILE` adds a GGUF written by llama.cpp's
+quantizer from --write_reference_gguf's file: its tensors are read back with gguf-py's own
+dequantizer (an independent reader) and evaluated the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+               "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def _user_path(path):
+    base = os.environ.get("BUILD_WORKING_DIRECTORY")
+    return path if path is None or base is None or os.path.isabs(path) else os.path.join(base, path)
+
+
+def projection_names(config) -> List[str]:
+    return [f"model.layers.{i}.{p}.weight" for i in range(config.num_hidden_layers) for p in PROJECTIONS]
+
+
+def off_grid(tensors: Dict[str, torch.Tensor], config, seed: int = 0, spread: float = 0.4) -> Dict[str, torch.Tensor]:
+    """The exact function-preserving rescaling of the module docstring (factors exp(U(-spread, spread)))."""
+    g = torch.Generator().manual_seed(seed)
+    out = dict(tensors)
+    offset = float(getattr(config, "norm_offset", 1.0))
+
+    def factors(n: int) -> torch.Tensor:
+        return torch.exp((torch.rand(n, generator=g, dtype=torch.float64) * 2 - 1) * spread)
+
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim = config.head_dim
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        w = {k: out[p + k].double() for k in ("input_layernorm.weight", "pre_feedforward_layernorm.weight",
+                                                 "self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                                 "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+                                                 "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")}
+        s = factors(config.hidden_size)
+        w["input_layernorm.weight"] = (offset + w["input_layernorm.weight"]) / s - offset
+        for k in ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"):
+            w[k] = w[k] * s
+        s2 = factors(config.hidden_size)
+        w["pre_feedforward_layernorm.weight"] = (offset + w["pre_feedforward_layernorm.weight"]) / s2 - offset
+        for k in ("mlp.gate_proj.weight", "mlp.up_proj.weight"):
+            w[k] = w[k] * s2
+        t = factors(kv_heads * head_dim)
+        w["self_attn.v_proj.weight"] = w["self_attn.v_proj.weight"] * t[:, None]
+        per_query = t.view(kv_heads, 1, head_dim).expand(kv_heads, heads // kv_heads, head_dim).reshape(-1)
+        w["self_attn.o_proj.weight"] = w["self_attn.o_proj.weight"] / per_query
+        u = factors(w["mlp.up_proj.weight"].shape[0])
+        w["mlp.up_proj.weight"] = w["mlp.up_proj.weight"] * u[:, None]
+        w["mlp.down_proj.weight"] = w["mlp.down_proj.weight"] / u
+        for k, v in w.items():
+            out[p + k] = v.to(tensors[p + k].dtype)
+    return out
+
+
+def on_grid_fraction(w: torch.Tensor, group: int = 32, max_levels: int = 64, tol: float = 1e-4) -> float:
+    """Share of groups of `group` whose values all lie on one affine grid of at most `max_levels`
+    levels (what a llama.cpp block's dequantized values do: Q4_K 16, Q5 32, Q6_K 64): the smallest
+    gap between distinct values divides every offset from the group's minimum."""
+    x = w.double().reshape(-1, group).sort(dim=1).values
+    gaps = x.diff(dim=1)
+    span = x[:, -1] - x[:, 0]
+    big = gaps > span[:, None] * 1e-9
+    step = torch.where(big, gaps, torch.full_like(gaps, float("inf"))).min(dim=1).values
+    q = (x - x[:, :1]) / step[:, None]
+    on = ((q - q.round()).abs() <= tol * q.abs().clamp_min(1)).all(dim=1) & (span / step <= max_levels - 1)
+    return float((on | (span == 0)).double().mean())
+
+
+class Evaluator:
+    """Reference log-probabilities per window, compared with each variant's (one model, weights swapped)."""
+
+    def __init__(self, build: Callable[[Dict[str, torch.Tensor]], torch.nn.Module], reference: Dict[str, torch.Tensor],
+                 windows: List[torch.Tensor]):
+        self.model = build(reference).eval()
+        self.params = dict(self.model.named_parameters())
+        self.reference = {n: reference[n] for n in reference if n in self.params}
+        self.windows = windows
+
+    def _set(self, weights: Dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for n, v in weights.items():
+                self.params[n].copy_(v)
+
+    @torch.no_grad()
+    def run(self, variants: Dict[str, Dict[str, torch.Tensor]]) -> Dict[str, Dict[str, float]]:
+        stats = {name: {"kl": 0.0, "nll": 0.0, "top1": 0.0} for name in ["reference"] + list(variants)}
+        tokens = 0
+        for ids in self.windows:
+            self._set(self.reference)
+            ref = F.log_softmax(self.model(ids[None, :-1])[0].double(), dim=-1)
+            target = ids[1:]
+            ref_top = ref.argmax(-1)
+            stats["reference"]["nll"] -= float(ref.gather(-1, target[:, None]).sum())
+            stats["reference"]["top1"] += len(target)
+            for name, weights in variants.items():
+                self._set(weights)
+                got = F.log_softmax(self.model(ids[None, :-1])[0].double(), dim=-1)
+                stats[name]["kl"] += float((ref.exp() * (ref - got)).sum())
+                stats[name]["nll"] -= float(got.gather(-1, target[:, None]).sum())
+                stats[name]["top1"] += float((got.argmax(-1) == ref_top).sum())
+            tokens += len(target)
+        self._set(self.reference)
+        return {name: {"mean_kl": s["kl"] / tokens, "ppl": math.exp(s["nll"] / tokens), "top1": s["top1"] / tokens,
+                       "tokens": tokens} for name, s in stats.items()}
+
+
+def stored_bits(q, config) -> int:
+    from llmq.quant.budget import stored_bits as bits
+
+    return bits(q, config)
+
+
+def llmq_variant(tensors: Dict[str, torch.Tensor], names: List[str], recipe_for: Callable[[str], object]
+                 ) -> Tuple[Dict[str, torch.Tensor], float]:
+    """Quantize then dequantize every projection; (dequantized weights, bits per weight)."""
+    from llmq.quant import dequantize, quantize_weight
+
+    out, bits, count = {}, 0, 0
+    for n in names:
+        config = recipe_for(n)
+        q = quantize_weight(tensors[n], config, name=n)
+        out[n] = dequantize(q, torch.float32)
+        bits += stored_bits(q, config)
+        count += tensors[n].numel()
+    return out, bits / count
+
+
+def gguf_variant(path: str, names: List[str], gguf_names: Dict[str, str], reference: Dict[str, torch.Tensor]
+                 ) -> Tuple[Dict[str, torch.Tensor], float, Dict[str, int]]:
+    """A llama.cpp GGUF's projections through gguf-py's dequantizer; (weights, bpw, tensor types used)."""
+    import gguf
+    import numpy as np
+
+    reader = gguf.GGUFReader(path)
+    by_name = {t.name: t for t in reader.tensors}
+    out, bits, count, types = {}, 0, 0, {}
+    for n in names:
+        t = by_name[gguf_names[n]]
+        values = gguf.quants.dequantize(t.data, t.tensor_type)
+        w = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(reference[n].shape)
+        out[n] = w
+        bits += int(t.n_bytes) * 8
+        count += w.numel()
+        types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
+    return out, bits / count, types
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--checkpoint", required=True)
+    parser.add_argument("--held_text", required=True)
+    parser.add_argument("--calibration_text", required=True)
+    parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--calibration_tokens", type=int, default=4096)
+    parser.add_argument("--window", type=int, default=512)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--write_reference_gguf", help="Write the off-grid reference as an F32 GGUF here and exit.")
+    parser.add_argument("--llama_cpp", action="append", default=[], help="NAME=FILE.gguf from llama-quantize.")
+    parser.add_argument("--variants", default="rtn,search,hqq,imatrix,budget,int8",
+                        help="Comma-separated llmq variants to run.")
+    parser.add_argument("--budget_bits_per_weight", type=float, default=4.5)
+    args = parser.parse_args(argv)
+    torch.manual_seed(args.seed)
+
+    from llmq.quant import GroupQuantizedWeight
+    from llmq.quant.formats import dequantize_canonical
+    from models.gemma3.config import ModelConfig
+    from models.gemma3.pipeline import ARCHITECTURE
+    from models.pipeline import gguf_input
+    from models.pipeline.quantized_model import build_quantized_model
+
+    path = _user_path(args.checkpoint)
+    hf_config = gguf_input.hf_config(ARCHITECTURE, path)
+    config = ModelConfig.from_hf_dict(hf_config)
+    plain = {n: dequantize_canonical(v).float() if isinstance(v, GroupQuantizedWeight) else v.float()
+             for n, v in gguf_input.model_tensors(ARCHITECTURE, path, config)}
+    reference = off_grid(plain, config, seed=args.seed)
+    names = projection_names(config)
+
+    def build(tensors):
+        return build_quantized_model(ARCHITECTURE.build_model(config, device="meta"), dict(tensors))
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path))
+
+    def token_ids(file: str, n: int) -> torch.Tensor:
+        with open(_user_path(file), encoding="utf-8", errors="replace") as f:
+            ids = tok(f.read()).input_ids
+        if len(ids) < n:
+            raise SystemExit(f"error: {file}: {len(ids)} tokens, fewer than the {n} asked for")
+        return torch.tensor(ids[:n])
+
+    held = token_ids(args.held_text, args.tokens)
+    windows = [held[i:i + args.window + 1] for i in range(0, len(held) - 1, args.window) if len(held[i:i + args.window + 1]) > 1]
+
+    # The two facts the off-grid reference rests on.
+    probe = held[: args.window + 1][None, :-1]
+    with torch.no_grad():
+        a, b = build(plain)(probe).double(), build(reference)(probe).double()
+    pa, pb = F.log_softmax(a, -1), F.log_softmax(b, -1)
+    moved = {"max |logit change|": float((a - b).abs().max()), "KL(plain || off-grid)": float((pa.exp() * (pa - pb)).sum(-1).mean())}
+    grid = {"on-grid groups, plain": sum(on_grid_fraction(plain[n]) for n in names) / len(names),
+            "on-grid groups, off-grid": sum(on_grid_fraction(reference[n]) for n in names) / len(names)}
+    for k, v in {**moved, **grid}.items():
+        print(f"{k}: {v:.3g}", flush=True)
+
+    if args.write_reference_gguf:
+        from models.gemma3.reference_gguf import write_f32_gguf
+
+        write_f32_gguf(_user_path(args.write_reference_gguf), path, reference, config)
+        print(f"wrote {args.write_reference_gguf}")
+        return 0
+
+    from llmq.quant import QuantConfig
+
+    wanted = [v for v in args.variants.split(",") if v]
+    variants: Dict[str, Dict[str, torch.Tensor]] = {}
+    bpw: Dict[str, float] = {}
+    importance = None
+    if {"imatrix", "budget"} & set(wanted):
+        from llmq.quant.importance import collect_importance, token_batches
+
+        calib = token_ids(args.calibration_text, args.calibration_tokens)
+        t0 = time.time()
+        importance = collect_importance(build(reference), token_batches(calib, args.window))
+        print(f"importance from {len(calib)} calibration tokens in {time.time() - t0:.0f} s", flush=True)
+    int4 = QuantConfig(bits=4, group_size=32, symmetric=True)
+    simple = {"rtn": int4, "search": QuantConfig(bits=4, group_size=32, symmetric=True, method="search"),
+              "hqq": QuantConfig(bits=4, group_size=32, symmetric=False, method="hqq"),
+              "int8": QuantConfig(bits=8, group_size=32, symmetric=True)}
+    for name in wanted:
+        t0 = time.time()
+        if name in simple:
+            variants[name], bpw[name] = llmq_variant(reference, names, lambda n, c=simple[name]: c)
+        elif name == "imatrix":
+            from llmq.quant.weighted import quantize_weighted
+
+            out, bits, count = {}, 0, 0
+            for n in names:
+                q = quantize_weighted(reference[n], int4, importance[n[: -len(".weight")]])
+                out[n] = q.dequantized
+                bits += q.bits
+                count += reference[n].numel()
+            variants[name], bpw[name] = out, bits / count
+        elif name == "budget":
+            from llmq.quant.budget import budget_recipe, choose, measure_options
+
+            options = {n: measure_options(n, reference[n], importance=importance[n[: -len(".weight")]]) for n in names}
+            choice = choose(options, {n: reference[n].numel() for n in names}, args.budget_bits_per_weight)
+            chosen = {n: options[n][i].config for n, i in choice.items()}
+            print("budget recipe:", budget_recipe([(n[: -len(".weight")], c) for n, c in chosen.items()]).to_dict()["rules"][:3], "...")
+            variants[name], bpw[name] = llmq_variant(reference, names, lambda n: chosen[n])
+        else:
+            raise SystemExit(f"error: --variants: unknown {name!r}")
+        print(f"{name}: quantized in {time.time() - t0:.0f} s, {bpw[name]:.3f} bpw", flush=True)
+    if args.llama_cpp:
+        import gguf
+
+        table = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA3, config.num_hidden_layers)
+        gguf_names = {n: table.get_name(n[: -len(".weight")]) + ".weight" for n in names}
+        for spec in args.llama_cpp:
+            name, _, file = spec.partition("=")
+            out, bits, types = gguf_variant(_user_path(file), names, gguf_names, reference)
+            variants[name], bpw[name] = out, bits
+            print(f"{name}: {bits:.3f} bpw, tensor types {types}", flush=True)
+
+    t0 = time.time()
+    results = Evaluator(build, reference, windows).run(variants)
+    print(f"evaluated {len(variants)} variants on {results['reference']['tokens']} tokens in {time.time() - t0:.0f} s\n")
+    print("| variant | bpw | mean KL (nats) | perplexity | top-1 agreement |")
+    print("|---|---|---|---|---|")
+    for name, r in results.items():
+        b = "-" if name == "reference" else f"{bpw[name]:.3f}"
+        kl = "0" if name == "reference" else f"{r['mean_kl']:.4f}"
+        print(f"| {name} | {b} | {kl} | {r['ppl']:.3f} | {r['top1']:.4f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
