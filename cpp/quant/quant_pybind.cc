@@ -9,6 +9,7 @@
 #include <string>
 
 #include "fp_quant.h"
+#include "hqq_quant.h"
 #include "quant_kernel.h"
 #include "search_quant.h"
 
@@ -75,6 +76,17 @@ void run_search_qparams(uintptr_t g, int64_t rows, int64_t k, int64_t group_size
   py::gil_scoped_release release;
   search_qparams(reinterpret_cast<const float*>(g), rows, k, group_size, bits, symmetric,
                  reinterpret_cast<float*>(scale), symmetric ? nullptr : reinterpret_cast<float*>(zero), threads);
+}
+
+// Method "hqq": (scale, float zero) per group of float32 rows g [rows, k] into scale / zero
+// [rows, k/group_size].
+void run_hqq_qparams(uintptr_t g, int64_t rows, int64_t k, int64_t group_size, int bits, uintptr_t scale,
+                     uintptr_t zero, int threads) {
+  if (rows < 0 || k <= 0 || group_size <= 0 || k % group_size || bits < 2 || bits > 8)
+    throw std::invalid_argument("hqq_qparams: bad rows/k/group_size/bits");
+  py::gil_scoped_release release;
+  hqq_qparams(reinterpret_cast<const float*>(g), rows, k, group_size, bits, reinterpret_cast<float*>(scale),
+              reinterpret_cast<float*>(zero), threads);
 }
 
 // (NaN count, Inf count) of n elements at address `data`.
@@ -174,6 +186,9 @@ PYBIND11_MODULE(_quant_kernel, m) {
   m.def("search_qparams", &run_search_qparams, py::arg("g"), py::arg("rows"), py::arg("k"), py::arg("group_size"),
         py::arg("bits"), py::arg("symmetric"), py::arg("scale"), py::arg("zero"), py::arg("threads"),
         "Method 'search': per-group (scale, zero) of float32 rows (search_quant.h).");
+  m.def("hqq_qparams", &run_hqq_qparams, py::arg("g"), py::arg("rows"), py::arg("k"), py::arg("group_size"),
+        py::arg("bits"), py::arg("scale"), py::arg("zero"), py::arg("threads"),
+        "Method 'hqq': per-group (scale, float zero) of float32 rows (hqq_quant.h).");
   m.def("count_nonfinite", &run_count_nonfinite, py::arg("data"), py::arg("input"), py::arg("n"),
         "(NaN count, Inf count) among n elements of the given float type at address data (one thread).");
   m.def("quantize_fp8", &run_quantize_fp8, py::arg("w"), py::arg("input"), py::arg("rows"), py::arg("k"),

@@ -146,3 +146,24 @@ def count_nonfinite(t: torch.Tensor) -> Optional[Tuple[int, int]]:
     nan, inf = m.count_nonfinite(t.data_ptr(), _INPUT_NAMES[t.dtype], t.numel())
     return int(nan), int(inf)
 
+
+
+def hqq_available() -> bool:
+    """Whether the loaded kernel has method "hqq" (an older .so picked by LLMQ_QUANT_KERNEL may not)."""
+    m = _load()
+    return m is not None and hasattr(m, "hqq_qparams")
+
+
+def hqq_qparams(g: torch.Tensor, group_size: int, bits: int, *, threads: Optional[int] = None):
+    """Method "hqq" on finite float32 CPU rows g[R, K]: (scale [R, G], float zero [R, G]),
+    bit-identical to llmq.quant.hqq.hqq_qparams_torch with its default parameters."""
+    m = _load()
+    if m is None:
+        raise RuntimeError(f"the quantization kernel is not available: {_error}")
+    g = g.detach().to(torch.float32).contiguous()
+    r, k = g.shape
+    scale = torch.empty(r, k // group_size, dtype=torch.float32)
+    zero = torch.empty(r, k // group_size, dtype=torch.float32)
+    m.hqq_qparams(g.data_ptr(), r, k, group_size, bits, scale.data_ptr(), zero.data_ptr(),
+                  _threads if threads is None else threads)
+    return scale, zero

@@ -25,7 +25,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from llmq.quant import _native, search
+from llmq.quant import _native, hqq, search
 from llmq.quant.formats import GroupQuantizedWeight, format_of, get_format, pack_bits
 from llmq.quant.recipe import INT_FORMAT, QuantConfig
 
@@ -34,7 +34,7 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Quantize this many elements at a time so that peak memory stays a small multiple of the
 # input (a stacked-expert tensor can be gigabytes) instead of ~10x it.
 _CHUNK_ELEMENTS = 1 << 24
-# Method "search" keeps a few float64 copies of its chunk per candidate: smaller chunks.
+# Methods "search" and "hqq" keep a few float64 copies of their chunk: smaller chunks.
 _SEARCH_CHUNK_ELEMENTS = 1 << 20
 
 
@@ -44,8 +44,6 @@ def _check_weight(w: torch.Tensor, config: QuantConfig, name: str) -> int:
         raise ValueError(f"{name}: expected a torch.Tensor, got {type(w).__name__}")
     if not isinstance(config, QuantConfig):
         raise ValueError(f"{name}: expected a QuantConfig, got {type(config).__name__}")
-    if config.method not in ("minmax", "search"):
-        raise NotImplementedError(f"{name}: method {config.method!r} is not implemented yet (only 'minmax' and 'search')")
     if w.dtype not in FLOAT_DTYPES:
         raise ValueError(f"{name}: expected a float32/bfloat16/float16 weight, got dtype {w.dtype}")
     if not 1 <= w.dim() <= 3:
@@ -127,6 +125,10 @@ def _quantize_rows(x: torch.Tensor, config: QuantConfig, gs: int, name: str):
         bias = scale * -float(offset)
     else:
         scale, zero = _qparams_asymmetric(xmin, xmax, bits, name)  # also rejects an overflowing range
+        if config.method == "hqq":  # float zero: codes round after adding it, bias = -z*s
+            scale, zero = hqq.hqq_qparams(g, bits)
+            q = torch.mul(g, (1.0 / scale).unsqueeze(-1)).add_(zero.unsqueeze(-1)).round_().clamp_(0, (1 << bits) - 1)
+            return pack_bits(q.reshape(rows, k).to(torch.uint8), bits), scale, 0.0 - zero * scale
         if config.method == "search":
             scale, zero = search.search_qparams(g, xmin, xmax, bits, False)
         q = torch.mul(g, (1.0 / scale).unsqueeze(-1)).round_().add_(zero.unsqueeze(-1)).clamp_(0, (1 << bits) - 1)
@@ -172,7 +174,7 @@ def _quantize_torch(w: torch.Tensor, config: QuantConfig, gs: int, name: str):
     """The torch reference over all rows of w, chunk by chunk: (qdata, scale, bias) as [R, ...]."""
     k = w.shape[-1]
     rows = w.detach().reshape(-1, k)
-    step = max(1, (_SEARCH_CHUNK_ELEMENTS if config.method == "search" else _CHUNK_ELEMENTS) // k)
+    step = max(1, (_CHUNK_ELEMENTS if config.method == "minmax" else _SEARCH_CHUNK_ELEMENTS) // k)
     try:
         parts = [_quantize_rows(rows[i : i + step].to(device="cpu", dtype=torch.float32), config, gs, name) for i in range(0, rows.shape[0], step)]
     except _NotFinite:

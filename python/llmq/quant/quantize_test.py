@@ -217,8 +217,7 @@ def test_float_formats_are_handed_to_fp_module():
     w = torch.randn(4, 64, generator=torch.Generator().manual_seed(0))
     out = quantize_weight(w, QuantConfig(format="mxfp4", bits=4, group_size=32), name="w")
     assert not isinstance(out, GroupQuantizedWeight) and out.format == "mxfp4"
-    with pytest.raises(NotImplementedError, match="hqq"):
-        quantize_weight(w, QuantConfig(method="hqq"), name="w")
+    assert isinstance(quantize_weight(w, QuantConfig(symmetric=False, method="hqq"), name="w"), GroupQuantizedWeight)
 
 
 def test_dequantize_rejects_non_quantized():

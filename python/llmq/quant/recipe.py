@@ -24,7 +24,8 @@ from llmq.quant.formats import format_names, get_format
 # registry (llmq.quant.formats), which also validates each format's own fields.
 INT_FORMAT = "int"
 # "minmax" is round-to-nearest on each group's min/max; "search" picks the best of a fixed set of
-# shrunk scales/zeros per group (llmq.quant.search); "hqq" is reserved (not implemented yet).
+# shrunk scales/zeros per group (llmq.quant.search); "hqq" optimises each group's float zero
+# point by half-quadratic splitting (llmq.quant.hqq; asymmetric only).
 METHODS = ("minmax", "search", "hqq")
 
 _DTYPE_NAMES = {
@@ -85,6 +86,8 @@ class QuantConfig:
             raise ValueError(f"QuantConfig.method={self.method!r} unknown; expected one of {METHODS}")
         if self.method != "minmax" and self.format != INT_FORMAT:
             raise ValueError(f"QuantConfig.method={self.method!r} applies to format 'int' only; format {self.format!r} takes 'minmax'")
+        if self.method == "hqq" and self.symmetric:
+            raise ValueError("QuantConfig.method='hqq' optimises the zero point: it needs symmetric=False (asymmetric)")
         object.__setattr__(self, "scale_dtype", _dtype_from_name(self.scale_dtype))
         fmt.validate_config(self)
 

@@ -1,0 +1,175 @@
+#include "hqq_quant.h"
+
+#include "quant_kernel.h"
+
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+namespace llmq_quant {
+namespace {
+
+constexpr double kLn2 = 0.6931471805599453;
+constexpr double kSqrtHalf = 0.7071067811865476;
+// hqq._LOG_COEFS: 1/19, 1/17, ..., 1/1 and hqq._EXP_COEFS: 1/13!, ..., 1/0!
+constexpr double kLogCoefs[] = {1.0 / 19.0, 1.0 / 17.0, 1.0 / 15.0, 1.0 / 13.0, 1.0 / 11.0,
+                                1.0 / 9.0,  1.0 / 7.0,  1.0 / 5.0,  1.0 / 3.0,  1.0 / 1.0};
+constexpr double kExpCoefs[] = {1.0 / 6227020800.0, 1.0 / 479001600.0, 1.0 / 39916800.0, 1.0 / 3628800.0,
+                                1.0 / 362880.0,     1.0 / 40320.0,     1.0 / 5040.0,     1.0 / 720.0,
+                                1.0 / 120.0,        1.0 / 24.0,        1.0 / 6.0,        1.0 / 2.0,
+                                1.0 / 1.0,          1.0 / 1.0};
+
+#define HQQ_INLINE inline __attribute__((always_inline))
+
+// Codes and float32 residual of one group at zero z (vectorisable: no reduction).
+HQQ_INLINE void evaluate(const float* w, int64_t n, float s, float inv, float z, float qmax, float* q, float* x) {
+  for (int64_t j = 0; j < n; ++j) {
+    const float c = std::min(std::max(std::nearbyint(w[j] * inv + z), 0.0f), qmax);
+    q[j] = c;
+    x[j] = w[j] - s * (c - z);
+  }
+}
+
+// float64 sum of term(j), j < n, in hqq._sum64's order: 8 interleaved lanes, each in element
+// order, combined pairwise; element order when n % 8 != 0.
+template <typename F>
+HQQ_INLINE double lane_sum(int64_t n, F term) {
+  if (n % 8) {
+    double s = term(0);
+    for (int64_t j = 1; j < n; ++j) s += term(j);
+    return s;
+  }
+  double acc[8];
+  for (int l = 0; l < 8; ++l) acc[l] = term(l);
+  for (int64_t i = 8; i < n; i += 8)
+    for (int l = 0; l < 8; ++l) acc[l] += term(i + l);
+  return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
+
+HQQ_INLINE double sum_sq(const float* x, int64_t n) {
+  return lane_sum(n, [x](int64_t j) {
+    const double d = x[j];
+    return d * d;
+  });
+}
+
+// The zero update z = mean(q - (w - shrink(x)) * inv), shrink in float64 (hqq.shrink_lp).
+// Elements with |x| < cutoff (= beta^(-1/(2-p)) * (1 - 1e-6)) shrink to exactly 0 (there
+// |x| < |x|^(p-1)/beta by a relative margin far above pow_det's error): pow_det is skipped.
+HQQ_INLINE float update_zero(const float* w, const float* q, const float* x, int64_t n, float inv, double beta,
+                             double cutoff, float* we) {
+  bool any = false;
+  for (int64_t j = 0; j < n; ++j) {
+    we[j] = 0.0f;
+    any |= std::fabs(static_cast<double>(x[j])) >= cutoff;
+  }
+  if (any) {
+    const double e = kHqqP - 1.0;
+    for (int64_t j = 0; j < n; ++j) {
+      const double a = std::fabs(static_cast<double>(x[j]));
+      if (a >= FLT_MIN && a >= cutoff) {
+        const double v = a - hqq_pow_det(a, e) / beta;
+        if (v > 0) we[j] = std::copysign(static_cast<float>(v), x[j]);
+      }
+    }
+  }
+  const double sum = lane_sum(n, [&](int64_t j) { return static_cast<double>(q[j] - (w[j] - we[j]) * inv); });
+  return static_cast<float>(sum / static_cast<double>(n));
+}
+
+// buf: 5 * n floats of scratch.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+__attribute__((target_clones("avx2", "default")))
+#endif
+void hqq_group(const float* w, int64_t n, int bits, const double* betas, const double* cutoffs, float* buf,
+               float* scale_out, float* zero_out) {
+  float *q = buf, *x = buf + n, *q2 = buf + 2 * n, *x2 = buf + 3 * n, *we = buf + 4 * n;
+  const float qmax = static_cast<float>((1 << bits) - 1);
+  float xmin = w[0], xmax = w[0];
+  for (int64_t j = 1; j < n; ++j) {
+    xmin = std::min(xmin, w[j]);
+    xmax = std::max(xmax, w[j]);
+  }
+  const float min_neg = std::min(xmin, 0.0f);
+  const float max_pos = std::max(xmax, 0.0f);
+  const float s = std::max((max_pos - min_neg) / qmax, FLT_MIN);
+  const float inv = 1.0f / s;
+  float z = 0.0f - min_neg / s;
+  evaluate(w, n, s, inv, z, qmax, q, x);
+  double best = sum_sq(x, n);
+  for (int it = 0; it < kHqqIters; ++it) {
+    const float z_new = update_zero(w, q, x, n, inv, betas[it], cutoffs[it], we);
+    evaluate(w, n, s, inv, z_new, qmax, q2, x2);
+    const double err = sum_sq(x2, n);
+    if (!(err < best)) break;
+    best = err;
+    z = z_new;
+    std::swap(q, q2);
+    std::swap(x, x2);
+  }
+  *scale_out = s;
+  *zero_out = z;
+}
+
+}  // namespace
+
+double hqq_pow_det(double a, double e) {
+  int k = 0;
+  double m = std::frexp(a, &k);
+  double kd = static_cast<double>(k);
+  if (m < kSqrtHalf) {
+    m = m * 2.0;
+    kd = kd - 1.0;
+  }
+  const double t = (m - 1.0) / (m + 1.0);
+  const double t2 = t * t;
+  double s = kLogCoefs[0];
+  for (size_t i = 1; i < sizeof(kLogCoefs) / sizeof(kLogCoefs[0]); ++i) s = s * t2 + kLogCoefs[i];
+  const double y = (2.0 * t * s + kd * kLn2) * e;
+  const double nn = std::nearbyint(y / kLn2);
+  const double r = y - nn * kLn2;
+  double p = kExpCoefs[0];
+  for (size_t i = 1; i < sizeof(kExpCoefs) / sizeof(kExpCoefs[0]); ++i) p = p * r + kExpCoefs[i];
+  const int64_t bits = (static_cast<int64_t>(nn) + 1023) << 52;
+  double two_n;
+  std::memcpy(&two_n, &bits, 8);
+  return p * two_n;
+}
+
+void hqq_qparams(const float* g, int64_t rows, int64_t k, int64_t group_size, int bits, float* scale, float* zero,
+                 int threads) {
+  const int64_t groups = k / group_size;
+  // beta_it = BETA * KAPPA^it by repeated multiplication, as hqq_qparams_torch does
+  double betas[kHqqIters], cutoffs[kHqqIters];
+  double beta = kHqqBeta;
+  for (int it = 0; it < kHqqIters; ++it) {
+    betas[it] = beta;
+    cutoffs[it] = std::pow(beta, -1.0 / (2.0 - kHqqP)) * (1.0 - 1e-6);
+    beta *= kHqqKappa;
+  }
+  auto work = [&](int64_t r0, int64_t r1) {
+    std::vector<float> buf(5 * group_size);
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t gi = 0; gi < groups; ++gi)
+        hqq_group(g + r * k + gi * group_size, group_size, bits, betas, cutoffs, buf.data(), scale + r * groups + gi,
+                  zero + r * groups + gi);
+  };
+  int t = threads > 0 ? threads : default_threads();
+  t = static_cast<int>(std::min<int64_t>(t, std::max<int64_t>(rows, 1)));
+  if (t <= 1) {
+    work(0, rows);
+    return;
+  }
+  std::vector<std::thread> pool;
+  const int64_t per = (rows + t - 1) / t;
+  for (int i = 0; i < t; ++i) {
+    const int64_t r0 = i * per, r1 = std::min(rows, r0 + per);
+    if (r0 < r1) pool.emplace_back(work, r0, r1);
+  }
+  for (auto& th : pool) th.join();
+}
+
+}  // namespace llmq_quant
