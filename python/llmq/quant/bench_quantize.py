@@ -7,7 +7,8 @@ so the best is the figure to compare; the median shows the noise.
     LLMQ_QUANT_KERNEL=/tmp/quant/_quant_kernel.so PYTHONPATH=python \\
         .venv/bin/python python/llmq/quant/bench_quantize.py [--repeats 5] [--threads 1,2] [--quick]
 
-A second table compares method "search" with "minmax" (throughput and error).
+A second table compares methods "search" and "hqq" (asymmetric only) with "minmax"
+(throughput and error).
 """
 
 from __future__ import annotations
@@ -70,20 +71,21 @@ SEARCH_CONFIGS = {"int4 g32 sym": (4, True), "int3 g32 sym": (3, True), "int4 g3
 
 
 def search_table(repeats: int) -> None:
-    """Method "search" beside "minmax" on a 1024x1024 bf16 N(0,1) weight, one thread, through
-    quantize_weight_torch (whose "search" step runs in the compiled kernel when it is loaded):
+    """Methods "search" and "hqq" beside "minmax" on a 1024x1024 bf16 N(0,1) weight, one thread,
+    through quantize_weight_torch (whose "search"/"hqq" step runs in the compiled kernel when it is loaded):
     throughput and the squared error of the dequantized weight."""
     from llmq.quant import dequantize
 
     torch.set_num_threads(1)
     _native.set_num_threads(1)
-    print(f"\nmethod search: {'compiled kernel' if _native.search_available() else 'torch reference'}")
+    print(f"\nmethod search: {'compiled kernel' if _native.search_available() else 'torch reference'}, "
+          f"method hqq: {'compiled kernel' if _native.hqq_available() else 'torch reference'}")
     w = torch.randn(1024, 1024, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     nbytes = w.numel() * w.element_size()
     print(f"{'1024x1024, 1 thread':<22}{'config':<18}{'method':<8}{'best MB/s':>11}{'sq. error':>12}{'vs minmax':>11}")
     for cfg_name, (bits, sym) in SEARCH_CONFIGS.items():
         base = None
-        for method in ("minmax", "search"):
+        for method in ("minmax", "search") + (() if sym else ("hqq",)):
             cfg = QuantConfig(bits=bits, group_size=32, symmetric=sym, method=method)
             best, _ = _time(lambda: quantize_weight_torch(w, cfg), max(1, min(repeats, 2)))
             err = float((dequantize(quantize_weight_torch(w, cfg), torch.float32).double() - w.double()).square().sum())
