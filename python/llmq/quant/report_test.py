@@ -1,0 +1,101 @@
+"""The per-tensor error report: its figures against independent numpy formulas, the files it
+writes (CSV/Markdown parse back, the PNG decodes to the documented picture), streaming use."""
+
+import csv
+import math
+import struct
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+from llmq.quant import QuantConfig, dequantize, quantize_weight
+from llmq.quant.report import ErrorReport, tensor_error
+
+
+def tensors():
+    g = torch.Generator().manual_seed(0)
+    w1 = torch.randn(16, 128, generator=g) * 0.02
+    w2 = (torch.randn(8, 64, generator=g) * 0.05).to(torch.bfloat16)
+    w3 = torch.randn(4, 64, generator=g)
+    return [
+        ("a.q_proj.weight", w1, QuantConfig(bits=4, group_size=32, symmetric=False, method="hqq")),
+        ("a.down_proj.weight", w2, QuantConfig(bits=8, group_size=None)),
+        ("a.up_proj.weight", w3, QuantConfig(format="mxfp4", bits=4, group_size=32)),
+    ]
+
+
+def test_figures_match_independent_formulas():
+    for name, w, cfg in tensors():
+        q = quantize_weight(w, cfg, name=name)
+        row = tensor_error(name, w, q, cfg)
+        a = w.float().numpy().astype(np.float64)
+        b = dequantize(q, torch.float32).numpy().astype(np.float64)
+        sqnr = 20.0 * np.log10(np.linalg.norm(a) / np.linalg.norm(a - b))  # amplitude form
+        assert abs(row.sqnr_db - sqnr) < 1e-9 * abs(sqnr)
+        assert abs(row.rel_error - np.linalg.norm(a - b) / np.linalg.norm(a)) < 1e-12
+        assert row.max_abs_error == float(np.abs(a - b).max())
+        assert row.format == cfg.describe() and row.numel == w.numel()
+    # effective bits, from the storage rule: int4 g32 stores float32 scale + bias per 32 weights
+    name, w, cfg = tensors()[0]
+    assert tensor_error(name, w, quantize_weight(w, cfg)).bits_per_weight == 4 + 2 * 32 / 32
+    name, w, cfg = tensors()[1]  # int8 per row of 64: 8 + 64/64
+    assert tensor_error(name, w, quantize_weight(w, cfg)).bits_per_weight == 8 + 64 / 64
+
+
+def test_exact_and_mismatched_inputs():
+    w = torch.randn(4, 32)
+    assert math.isinf(tensor_error("w", w, w.clone()).sqnr_db) and tensor_error("w", w, w.clone()).rel_error == 0.0
+    with pytest.raises(ValueError, match="m.w: quantized shape \\[4, 64\\] does not match the original \\[4, 32\\]"):
+        tensor_error("m.w", w, quantize_weight(torch.randn(4, 64), QuantConfig()))
+
+
+def read_png(path):
+    data = open(path, "rb").read()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, chunks = 8, {}
+    while pos < len(data):
+        (n,) = struct.unpack(">I", data[pos : pos + 4])
+        kind, body = data[pos + 4 : pos + 8], data[pos + 8 : pos + 8 + n]
+        assert struct.unpack(">I", data[pos + 8 + n : pos + 12 + n])[0] == zlib.crc32(kind + body) & 0xFFFFFFFF
+        chunks[kind] = chunks.get(kind, b"") + body
+        pos += 12 + n
+    width, height, depth, colour = struct.unpack(">IIBB", chunks[b"IHDR"][:10])
+    assert (depth, colour) == (8, 2)
+    raw = zlib.decompress(chunks[b"IDAT"])
+    stride = 1 + 3 * width
+    rows = [raw[y * stride + 1 : (y + 1) * stride] for y in range(height)]
+    return width, height, rows
+
+
+def test_streamed_report_writes_csv_markdown_png(tmp_path):
+    seen = []
+
+    def stream():  # one tensor alive at a time
+        for name, w, cfg in tensors():
+            seen.append(name)
+            yield name, w, quantize_weight(w, cfg, name=name)
+
+    report = ErrorReport().extend(stream())
+    paths = report.write(str(tmp_path / "out"))
+    rows = list(csv.DictReader(open(paths["csv"])))
+    assert [r["name"] for r in rows] == seen + ["TOTAL"]
+    for r, row in zip(rows, report.rows):
+        assert abs(float(r["sqnr_db"]) - row.sqnr_db) < 1e-3 and r["shape"] == "x".join(map(str, row.shape))
+    total = report.total()
+    want_bits = 8 * sum(r.stored_bytes for r in report.rows) / sum(r.numel for r in report.rows)
+    assert abs(float(rows[-1]["bits_per_weight"]) - want_bits) < 1e-4
+    want_sqnr = 10 * math.log10(sum(r.signal for r in report.rows) / sum(r.noise for r in report.rows))
+    assert abs(total.sqnr_db - want_sqnr) < 1e-12 and "3 tensors" in report.summary()
+    md = open(paths["md"]).read().splitlines()
+    assert md[0].startswith("| name | format |") and len([l for l in md if l.startswith("| a.")]) == 3
+    width, height, img = read_png(paths["png"])
+    assert (width, height) == (3 * 6 + 2, 200)
+    # the bar of tensor i reaches height round(sqnr/top * 199), top = SQNRs rounded up to 10 dB
+    top = 10 * math.ceil(max(r.sqnr_db for r in report.rows) / 10)
+    for i, r in enumerate(report.rows):
+        x = 1 + i * 6
+        column = [img[y][3 * x : 3 * x + 3] for y in range(height)]
+        filled = sum(1 for px in column if px not in (b"\xff\xff\xff", b"\xc8\xc8\xc8"))
+        assert filled == round(r.sqnr_db / top * (height - 1)), (r.name, filled)
