@@ -49,18 +49,25 @@ HQQ_INLINE double lane_sum(int64_t n, F term) {
   return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
 }
 
-HQQ_INLINE double sum_sq(const float* x, int64_t n) {
-  return lane_sum(n, [x](int64_t j) {
+// sum x^2, or sum (x^2) a with per-element weights a (nullptr: unweighted).
+HQQ_INLINE double sum_sq(const float* x, const float* a, int64_t n) {
+  if (a == nullptr)
+    return lane_sum(n, [x](int64_t j) {
+      const double d = x[j];
+      return d * d;
+    });
+  return lane_sum(n, [x, a](int64_t j) {
     const double d = x[j];
-    return d * d;
+    return (d * d) * static_cast<double>(a[j]);
   });
 }
 
 // The zero update z = mean(q - (w - shrink(x)) * inv), shrink in float64 (hqq.shrink_lp).
 // Elements with |x| < cutoff (= beta^(-1/(2-p)) * (1 - 1e-6)) shrink to exactly 0 (there
 // |x| < |x|^(p-1)/beta by a relative margin far above pow_det's error): pow_det is skipped.
-HQQ_INLINE float update_zero(const float* w, const float* q, const float* x, int64_t n, float inv, double beta,
-                             double cutoff, float* we) {
+// Weighted (a != nullptr): sum(t a) / a_sum.
+HQQ_INLINE float update_zero(const float* w, const float* q, const float* x, const float* a, double a_sum, int64_t n,
+                             float inv, double beta, double cutoff, float* we) {
   bool any = false;
   for (int64_t j = 0; j < n; ++j) {
     we[j] = 0.0f;
@@ -76,6 +83,12 @@ HQQ_INLINE float update_zero(const float* w, const float* q, const float* x, int
       }
     }
   }
+  if (a != nullptr) {
+    const double sum = lane_sum(n, [&](int64_t j) {
+      return static_cast<double>(q[j] - (w[j] - we[j]) * inv) * static_cast<double>(a[j]);
+    });
+    return static_cast<float>(sum / a_sum);
+  }
   const double sum = lane_sum(n, [&](int64_t j) { return static_cast<double>(q[j] - (w[j] - we[j]) * inv); });
   return static_cast<float>(sum / static_cast<double>(n));
 }
@@ -84,8 +97,8 @@ HQQ_INLINE float update_zero(const float* w, const float* q, const float* x, int
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 __attribute__((target_clones("avx2", "default")))
 #endif
-void hqq_group(const float* w, int64_t n, int bits, const double* betas, const double* cutoffs, float* buf,
-               float* scale_out, float* zero_out) {
+void hqq_group(const float* w, const float* a, int64_t n, int bits, const double* betas, const double* cutoffs,
+               float* buf, float* scale_out, float* zero_out) {
   float *q = buf, *x = buf + n, *q2 = buf + 2 * n, *x2 = buf + 3 * n, *we = buf + 4 * n;
   const float qmax = static_cast<float>((1 << bits) - 1);
   float xmin = w[0], xmax = w[0];
@@ -98,12 +111,13 @@ void hqq_group(const float* w, int64_t n, int bits, const double* betas, const d
   const float s = std::max((max_pos - min_neg) / qmax, FLT_MIN);
   const float inv = 1.0f / s;
   float z = 0.0f - min_neg / s;
+  const double a_sum = a == nullptr ? 0.0 : lane_sum(n, [a](int64_t j) { return static_cast<double>(a[j]); });
   evaluate(w, n, s, inv, z, qmax, q, x);
-  double best = sum_sq(x, n);
+  double best = sum_sq(x, a, n);
   for (int it = 0; it < kHqqIters; ++it) {
-    const float z_new = update_zero(w, q, x, n, inv, betas[it], cutoffs[it], we);
+    const float z_new = update_zero(w, q, x, a, a_sum, n, inv, betas[it], cutoffs[it], we);
     evaluate(w, n, s, inv, z_new, qmax, q2, x2);
-    const double err = sum_sq(x2, n);
+    const double err = sum_sq(x2, a, n);
     if (!(err < best)) break;
     best = err;
     z = z_new;
@@ -140,7 +154,7 @@ double hqq_pow_det(double a, double e) {
 }
 
 void hqq_qparams(const float* g, int64_t rows, int64_t k, int64_t group_size, int bits, float* scale, float* zero,
-                 int threads) {
+                 int threads, const float* importance) {
   const int64_t groups = k / group_size;
   // beta_it = BETA * KAPPA^it by repeated multiplication, as hqq_qparams_torch does
   double betas[kHqqIters], cutoffs[kHqqIters];
@@ -154,8 +168,8 @@ void hqq_qparams(const float* g, int64_t rows, int64_t k, int64_t group_size, in
     std::vector<float> buf(5 * group_size);
     for (int64_t r = r0; r < r1; ++r)
       for (int64_t gi = 0; gi < groups; ++gi)
-        hqq_group(g + r * k + gi * group_size, group_size, bits, betas, cutoffs, buf.data(), scale + r * groups + gi,
-                  zero + r * groups + gi);
+        hqq_group(g + r * k + gi * group_size, importance ? importance + gi * group_size : nullptr, group_size, bits,
+                  betas, cutoffs, buf.data(), scale + r * groups + gi, zero + r * groups + gi);
   };
   int t = threads > 0 ? threads : default_threads();
   t = static_cast<int>(std::min<int64_t>(t, std::max<int64_t>(rows, 1)));

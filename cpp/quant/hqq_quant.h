@@ -20,8 +20,9 @@ double hqq_pow_det(double a, double e);
 
 // g: float32 [rows, k] contiguous, finite; group_size divides k; bits 2..8.
 // scale, zero: float32 [rows, k/group_size]. Rows are split across `threads` std::threads
-// (0 = every CPU this process may run on).
+// (0 = every CPU this process may run on). importance: nullptr, or float32 [k] positive
+// per-input-channel weights (weighted error and weighted-mean zero update, as in hqq.py).
 void hqq_qparams(const float* g, int64_t rows, int64_t k, int64_t group_size, int bits, float* scale, float* zero,
-                 int threads);
+                 int threads, const float* importance = nullptr);
 
 }  // namespace llmq_quant

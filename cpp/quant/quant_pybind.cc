@@ -80,13 +80,14 @@ void run_search_qparams(uintptr_t g, int64_t rows, int64_t k, int64_t group_size
 
 // Method "hqq": (scale, float zero) per group of float32 rows g [rows, k] into scale / zero
 // [rows, k/group_size].
+// importance: 0, or the address of float32 [k] positive per-input-channel weights.
 void run_hqq_qparams(uintptr_t g, int64_t rows, int64_t k, int64_t group_size, int bits, uintptr_t scale,
-                     uintptr_t zero, int threads) {
+                     uintptr_t zero, int threads, uintptr_t importance) {
   if (rows < 0 || k <= 0 || group_size <= 0 || k % group_size || bits < 2 || bits > 8)
     throw std::invalid_argument("hqq_qparams: bad rows/k/group_size/bits");
   py::gil_scoped_release release;
   hqq_qparams(reinterpret_cast<const float*>(g), rows, k, group_size, bits, reinterpret_cast<float*>(scale),
-              reinterpret_cast<float*>(zero), threads);
+              reinterpret_cast<float*>(zero), threads, reinterpret_cast<const float*>(importance));
 }
 
 // (NaN count, Inf count) of n elements at address `data`.
@@ -187,7 +188,7 @@ PYBIND11_MODULE(_quant_kernel, m) {
         py::arg("bits"), py::arg("symmetric"), py::arg("scale"), py::arg("zero"), py::arg("threads"),
         "Method 'search': per-group (scale, zero) of float32 rows (search_quant.h).");
   m.def("hqq_qparams", &run_hqq_qparams, py::arg("g"), py::arg("rows"), py::arg("k"), py::arg("group_size"),
-        py::arg("bits"), py::arg("scale"), py::arg("zero"), py::arg("threads"),
+        py::arg("bits"), py::arg("scale"), py::arg("zero"), py::arg("threads"), py::arg("importance") = 0,
         "Method 'hqq': per-group (scale, float zero) of float32 rows (hqq_quant.h).");
   m.def("count_nonfinite", &run_count_nonfinite, py::arg("data"), py::arg("input"), py::arg("n"),
         "(NaN count, Inf count) among n elements of the given float type at address data (one thread).");

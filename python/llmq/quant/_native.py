@@ -154,9 +154,11 @@ def hqq_available() -> bool:
     return m is not None and hasattr(m, "hqq_qparams")
 
 
-def hqq_qparams(g: torch.Tensor, group_size: int, bits: int, *, threads: Optional[int] = None):
+def hqq_qparams(g: torch.Tensor, group_size: int, bits: int, *, importance: Optional[torch.Tensor] = None,
+                threads: Optional[int] = None):
     """Method "hqq" on finite float32 CPU rows g[R, K]: (scale [R, G], float zero [R, G]),
-    bit-identical to llmq.quant.hqq.hqq_qparams_torch with its default parameters."""
+    bit-identical to llmq.quant.hqq.hqq_qparams_torch with its default parameters.
+    importance: optional positive float32 [K] weighting each input channel (validated by the caller)."""
     m = _load()
     if m is None:
         raise RuntimeError(f"the quantization kernel is not available: {_error}")
@@ -164,6 +166,9 @@ def hqq_qparams(g: torch.Tensor, group_size: int, bits: int, *, threads: Optiona
     r, k = g.shape
     scale = torch.empty(r, k // group_size, dtype=torch.float32)
     zero = torch.empty(r, k // group_size, dtype=torch.float32)
+    imp = None if importance is None else importance.detach().to(torch.float32).contiguous()
+    if imp is not None and imp.numel() != k:
+        raise ValueError(f"importance has {imp.numel()} values; expected K={k}")
     m.hqq_qparams(g.data_ptr(), r, k, group_size, bits, scale.data_ptr(), zero.data_ptr(),
-                  _threads if threads is None else threads)
+                  _threads if threads is None else threads, 0 if imp is None else imp.data_ptr())
     return scale, zero

@@ -34,7 +34,7 @@ Codes, packing and bias = fl32(0 - z s) are produced by llmq.quant.quantize with
 from __future__ import annotations
 
 import math
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -110,11 +110,13 @@ def _sum64(t: torch.Tensor) -> torch.Tensor:
     return ((a[..., 0] + a[..., 1]) + (a[..., 2] + a[..., 3])) + ((a[..., 4] + a[..., 5]) + (a[..., 6] + a[..., 7]))
 
 
-def _evaluate(g, inv, s, z, qmax):
-    """Codes, float32 residual and float64 squared error of groups g[R, G, gs] at zero z."""
+def _evaluate(g, inv, s, z, qmax, a=None):
+    """Codes, float32 residual and float64 squared error (weighted by float64 a[G, gs] when
+    given: sum (x^2) a) of groups g[R, G, gs] at zero z."""
     q = torch.mul(g, inv.unsqueeze(-1)).add_(z.unsqueeze(-1)).round_().clamp_(0, qmax)
     x = g - s.unsqueeze(-1) * (q - z.unsqueeze(-1))
-    return q, x, _sum64(x.to(torch.float64).square())
+    sq = x.to(torch.float64).square()
+    return q, x, _sum64(sq if a is None else sq * a)
 
 
 def init_qparams(g: torch.Tensor, bits: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -126,25 +128,32 @@ def init_qparams(g: torch.Tensor, bits: int) -> Tuple[torch.Tensor, torch.Tensor
     return s, 0.0 - min_neg / s
 
 
-def hqq_qparams_torch(g: torch.Tensor, bits: int, *, iters: int = ITERS, p: float = P_NORM, beta: float = BETA,
-                      kappa: float = KAPPA, early_stop: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
+def hqq_qparams_torch(g: torch.Tensor, bits: int, *, importance: Optional[torch.Tensor] = None, iters: int = ITERS,
+                      p: float = P_NORM, beta: float = BETA, kappa: float = KAPPA,
+                      early_stop: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
     """The torch reference: (scale, float zero) float32 [R, G] of finite float32 groups
     g[R, G, gs] (see the module docstring). early_stop=False runs all `iters` updates and
-    returns the last zero (what the step-by-step test follows)."""
+    returns the last zero (what the step-by-step test follows).
+
+    importance: optional positive float32 [G, gs] (per input channel, e.g. mean squared
+    activations): the error becomes sum a x^2 and the zero update the a-weighted mean
+    sum(a t) / sum(a) (both sums in `_sum64` order, products (x^2) a and t a in float64)."""
     qmax = float((1 << bits) - 1)
     n = g.shape[-1]
+    a = None if importance is None else importance.to(torch.float64).reshape(g.shape[-2:])
+    den = None if a is None else _sum64(a)
     s, z = init_qparams(g, bits)
     inv = 1.0 / s
-    q, x, err = _evaluate(g, inv, s, z, qmax)
+    q, x, err = _evaluate(g, inv, s, z, qmax, a)
     best_err, best_z = err, z.clone()
     active = torch.ones_like(err, dtype=torch.bool)
     b = float(beta)
     for _ in range(iters):
         we = shrink_lp(x, b, p)
         t = q - (g - we) * inv.unsqueeze(-1)
-        z_new = (_sum64(t) / n).to(torch.float32)
+        z_new = (_sum64(t) / n if a is None else _sum64(t.to(torch.float64) * a) / den).to(torch.float32)
         b *= kappa
-        q_new, x_new, err_new = _evaluate(g, inv, s, z_new, qmax)
+        q_new, x_new, err_new = _evaluate(g, inv, s, z_new, qmax, a)
         if not early_stop:
             z, q, x = z_new, q_new, x_new
             continue
@@ -160,12 +169,14 @@ def hqq_qparams_torch(g: torch.Tensor, bits: int, *, iters: int = ITERS, p: floa
     return s, (best_z if early_stop else z)
 
 
-def hqq_qparams(g: torch.Tensor, bits: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(scale, zero) per group of finite float32 g[R, G, gs], through the compiled kernel
-    (cpp/quant/hqq_quant.h, same bits) when it is loaded, else hqq_qparams_torch."""
+def hqq_qparams(g: torch.Tensor, bits: int, importance: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(scale, zero) per group of finite float32 g[R, G, gs] (importance: optional positive
+    float32 [G, gs]), through the compiled kernel (cpp/quant/hqq_quant.h, same bits) when it
+    is loaded, else hqq_qparams_torch."""
     from llmq.quant import _native
 
     if g.device.type == "cpu" and _native.hqq_available():
         rows, groups, gs = g.shape
-        return _native.hqq_qparams(g.reshape(rows, groups * gs), gs, bits)
-    return hqq_qparams_torch(g, bits)
+        return _native.hqq_qparams(g.reshape(rows, groups * gs), gs, bits,
+                                   importance=None if importance is None else importance.reshape(-1))
+    return hqq_qparams_torch(g, bits, importance=importance)

@@ -28,10 +28,10 @@ def shrink_ref(x, beta, p):
     return np.sign(x) * np.maximum(a - thr, 0.0)
 
 
-def reference_zero(w, bits, iters, p=0.7, beta=10.0, kappa=1.01):
+def reference_zero(w, bits, iters, p=0.7, beta=10.0, kappa=1.01, a=None):
     """HQQ's zero point after `iters` updates of one group w (float64 numpy), scale fixed at
-    the minmax scale: W_q = round(W/s + z), W_e = shrink(W - s(W_q - z)), z = mean(W_q - (W - W_e)/s).
-    Also returns the fraction of elements the last shrinkage left non-zero."""
+    the minmax scale: W_q = round(W/s + z), W_e = shrink(W - s(W_q - z)), z = mean(W_q - (W - W_e)/s)
+    (the a-weighted mean when importance weights a are given). Also returns the fraction of elements the last shrinkage left non-zero."""
     qmax = 2**bits - 1
     lo, hi = min(w.min(), 0.0), max(w.max(), 0.0)
     s = float(np.float32(np.float32(hi - lo) / np.float32(qmax)))  # the float32 scale the method stores
@@ -41,7 +41,7 @@ def reference_zero(w, bits, iters, p=0.7, beta=10.0, kappa=1.01):
         wq = np.clip(np.round(w / s + z), 0, qmax)
         we = shrink_ref(w - s * (wq - z), beta, p)
         active = float((we != 0).mean())
-        z = float(np.mean(wq - (w - we) / s))
+        z = float(np.average(wq - (w - we) / s, weights=a))
         beta *= kappa
     return s, z, active
 
@@ -158,3 +158,77 @@ def test_compiled_hqq_is_bit_identical_to_torch(bits, gs, scale):
         ns, nz = _native.hqq_qparams(w, size, bits, threads=threads)
         assert torch.equal(ns.view(torch.int32), ts.view(torch.int32))
         assert torch.equal(nz.view(torch.int32), tz.view(torch.int32))
+
+
+# -- importance weights (imatrix-style, one positive weight per input channel) --------------------
+
+
+def importance(k, seed):
+    return torch.exp(2.0 * torch.randn(k, generator=torch.Generator().manual_seed(seed)))
+
+
+@pytest.mark.parametrize("bits,gs,scale", [(4, 32, 1.0), (3, 64, 0.02)])
+def test_weighted_reference_follows_the_weighted_update_rule(bits, gs, scale):
+    w = weights("heavy", (8, 256), seed=bits * gs + 1, scale=scale)
+    imp = importance(256, seed=bits)
+    g = w.reshape(8, -1, gs)
+    a = imp.reshape(-1, gs)
+    for iters in (1, 3):
+        _, z = hqq.hqq_qparams_torch(g, bits, importance=a, iters=iters, early_stop=False)
+        groups = g.reshape(-1, gs).double().numpy()
+        ref = [reference_zero(grp, bits, iters, a=a[i % a.shape[0]].double().numpy()) for i, grp in enumerate(groups)]
+        ref_z = torch.tensor([r[1] for r in ref], dtype=torch.float64)
+        # float32 vs float64 arithmetic: ~1e-6 code steps, except where a code sits at an exact
+        # .5 boundary and flips, moving z by that element's share a_j / sum(a) (rare: allow 1 group)
+        off = (z.reshape(-1).double() - ref_z).abs() > 1e-4
+        assert int(off.sum()) <= 1, (iters, int(off.sum()), len(off))
+    _, z_plain = hqq.hqq_qparams_torch(g, bits, iters=3, early_stop=False)
+    assert not torch.equal(z, z_plain)  # the weights change the result
+
+
+def test_unit_importance_changes_nothing_and_weighting_lowers_weighted_error():
+    from llmq.quant import _native
+
+    w = weights("heavy", (32, 256), seed=3, scale=0.02)
+    cfg = QuantConfig(bits=4, group_size=32, symmetric=False, method="hqq")
+    plain = quantize_weight(w, cfg, name="w")
+    ones = quantize_weight(w, cfg, name="w", importance=torch.ones(256))
+    assert torch.equal(plain.bias, ones.bias) and torch.equal(plain.qdata, ones.qdata)
+    g = w.reshape(32, -1, 32)
+    assert torch.equal(hqq.hqq_qparams_torch(g, 4, importance=torch.ones(8, 32))[1], hqq.hqq_qparams_torch(g, 4)[1])
+    imp = importance(256, seed=9)
+    weighted = quantize_weight(w, cfg, name="w", importance=imp)
+
+    def werr(qw):
+        return float(((dequantize(qw, torch.float32).double() - w.double()).square() * imp.double()).sum())
+
+    assert werr(weighted) < werr(plain)
+    assert _native.hqq_available()
+
+
+@pytest.mark.parametrize("bits,gs,scale", [(4, 32, 0.02), (2, 16, 1.0), (8, 128, 30.0), (4, 12, 1.0)])
+def test_compiled_weighted_hqq_is_bit_identical_to_torch(bits, gs, scale):
+    from llmq.quant import _native
+
+    if not _native.hqq_available():
+        pytest.fail(f"the quantization kernel with method 'hqq' is not loaded ({_native.native_kernel_error()})")
+    w = weights("heavy", (12, 384), seed=bits + gs + 7, scale=scale).bfloat16().float()
+    imp = importance(384, seed=gs)
+    ts, tz = hqq.hqq_qparams_torch(w.reshape(12, -1, gs), bits, importance=imp.reshape(-1, gs))
+    for threads in (1, 2):
+        ns, nz = _native.hqq_qparams(w, gs, bits, importance=imp, threads=threads)
+        assert torch.equal(ns.view(torch.int32), ts.view(torch.int32))
+        assert torch.equal(nz.view(torch.int32), tz.view(torch.int32))
+
+
+def test_importance_is_validated():
+    w = weights("normal", (4, 64), seed=1)
+    cfg = QuantConfig(bits=4, group_size=32, symmetric=False, method="hqq")
+    with pytest.raises(ValueError, match="m.w: importance weights apply to format 'int' with method 'hqq' only"):
+        quantize_weight(w, QuantConfig(bits=4, group_size=32, symmetric=False), name="m.w", importance=torch.ones(64))
+    with pytest.raises(ValueError, match=r"m.w: importance must be a 1-D tensor of K=64 values .* got \[32\]"):
+        quantize_weight(w, cfg, name="m.w", importance=torch.ones(32))
+    bad = torch.ones(64)
+    bad[5] = 0.0
+    with pytest.raises(ValueError, match="m.w: importance must be finite and > 0"):
+        quantize_weight(w, cfg, name="m.w", importance=bad)

@@ -108,7 +108,7 @@ def _qparams_asymmetric(xmin: torch.Tensor, xmax: torch.Tensor, bits: int, name:
     return scale, zero
 
 
-def _quantize_rows(x: torch.Tensor, config: QuantConfig, gs: int, name: str):
+def _quantize_rows(x: torch.Tensor, config: QuantConfig, gs: int, name: str, importance: Optional[torch.Tensor] = None):
     """Quantize float32 rows x[R, K] -> (packed qdata [R, K*b/8], scale [R, G], bias [R, G])."""
     bits = config.bits
     rows, k = x.shape
@@ -126,7 +126,7 @@ def _quantize_rows(x: torch.Tensor, config: QuantConfig, gs: int, name: str):
     else:
         scale, zero = _qparams_asymmetric(xmin, xmax, bits, name)  # also rejects an overflowing range
         if config.method == "hqq":  # float zero: codes round after adding it, bias = -z*s
-            scale, zero = hqq.hqq_qparams(g, bits)
+            scale, zero = hqq.hqq_qparams(g, bits, None if importance is None else importance.reshape(k // gs, gs))
             q = torch.mul(g, (1.0 / scale).unsqueeze(-1)).add_(zero.unsqueeze(-1)).round_().clamp_(0, (1 << bits) - 1)
             return pack_bits(q.reshape(rows, k).to(torch.uint8), bits), scale, 0.0 - zero * scale
         if config.method == "search":
@@ -137,20 +137,42 @@ def _quantize_rows(x: torch.Tensor, config: QuantConfig, gs: int, name: str):
     return pack_bits(q, bits), scale, bias
 
 
-def quantize_weight(w: torch.Tensor, config: QuantConfig, *, name: str = "<tensor>"):
+def quantize_weight(w: torch.Tensor, config: QuantConfig, *, name: str = "<tensor>",
+                    importance: Optional[torch.Tensor] = None):
     """Quantize a 1-D, 2-D [out, in] or 3-D [experts, out, in] float weight along its last
     (input) dimension into the container of ``config.format`` (looked up in the format
     registry, llmq.quant.formats): a GroupQuantizedWeight for "int", FP8Weight, MXWeight or
-    NVFP4Weight for the floating-point formats."""
+    NVFP4Weight for the floating-point formats.
+
+    importance: optional positive weights [K], one per input channel (e.g. the mean squared
+    activation of each input feature over a calibration text, the imatrix idea); method "hqq"
+    then minimises the importance-weighted error (llmq.quant.hqq). Other methods refuse it."""
     if not isinstance(config, QuantConfig):
         raise ValueError(f"{name}: expected a QuantConfig, got {type(config).__name__}")
+    if importance is not None:
+        if config.format != INT_FORMAT or config.method != "hqq":
+            raise ValueError(f"{name}: importance weights apply to format 'int' with method 'hqq' only, got {config.describe()!r}")
+        return quantize_int_weight(w, config, name=name, importance=importance)
     return get_format(config.format).quantize(w, config, name=name)
 
 
-def quantize_int_weight(w: torch.Tensor, config: QuantConfig, *, name: str = "<tensor>") -> GroupQuantizedWeight:
+def _check_importance(importance, k: int, name: str) -> torch.Tensor:
+    if not isinstance(importance, torch.Tensor) or importance.dim() != 1 or importance.shape[0] != k:
+        got = list(importance.shape) if isinstance(importance, torch.Tensor) else type(importance).__name__
+        raise ValueError(f"{name}: importance must be a 1-D tensor of K={k} values (one per input channel), got {got}")
+    imp = importance.detach().to(device="cpu", dtype=torch.float32)
+    if not bool((torch.isfinite(imp) & (imp > 0)).all()):
+        raise ValueError(f"{name}: importance must be finite and > 0 everywhere (add a small floor to zero channels)")
+    return imp.contiguous()
+
+
+def quantize_int_weight(w: torch.Tensor, config: QuantConfig, *, name: str = "<tensor>",
+                        importance: Optional[torch.Tensor] = None) -> GroupQuantizedWeight:
     """The "int" family's quantizer: group-wise along the last dimension into the canonical
     GroupQuantizedWeight, through the compiled kernel when it applies (same bytes)."""
     gs = _check_weight(w, config, name)
+    if importance is not None:
+        return _assemble(w, config, gs, _quantize_torch(w, config, gs, name, _check_importance(importance, w.shape[-1], name)))
     parts = None
     if config.method == "minmax" and _native.applicable(w):  # the kernel implements "minmax" only
         # None means a NaN/Inf or an overflowing range: the reference path below raises
@@ -170,13 +192,13 @@ def quantize_weight_torch(w: torch.Tensor, config: QuantConfig, *, name: str = "
     return _assemble(w, config, gs, _quantize_torch(w, config, gs, name))
 
 
-def _quantize_torch(w: torch.Tensor, config: QuantConfig, gs: int, name: str):
+def _quantize_torch(w: torch.Tensor, config: QuantConfig, gs: int, name: str, importance: Optional[torch.Tensor] = None):
     """The torch reference over all rows of w, chunk by chunk: (qdata, scale, bias) as [R, ...]."""
     k = w.shape[-1]
     rows = w.detach().reshape(-1, k)
     step = max(1, (_CHUNK_ELEMENTS if config.method == "minmax" else _SEARCH_CHUNK_ELEMENTS) // k)
     try:
-        parts = [_quantize_rows(rows[i : i + step].to(device="cpu", dtype=torch.float32), config, gs, name) for i in range(0, rows.shape[0], step)]
+        parts = [_quantize_rows(rows[i : i + step].to(device="cpu", dtype=torch.float32), config, gs, name, importance) for i in range(0, rows.shape[0], step)]
     except _NotFinite:
         parts = None
     if parts is None:  # raised outside the except block, so the traceback stays clean
