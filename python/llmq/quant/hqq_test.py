@@ -11,6 +11,10 @@ import torch
 
 from llmq.quant import QuantConfig, QuantRecipe, dequantize, hqq, quantize_weight
 
+# The torch reference runs many small ops: on a shared box, torch's intra-op threads cost more
+# than they give (~5x slower). The kernel's own threads are set per call below.
+torch.set_num_threads(1)
+
 
 def weights(kind, shape, seed, scale=1.0):
     g = torch.Generator().manual_seed(seed)
