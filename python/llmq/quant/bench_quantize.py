@@ -8,7 +8,7 @@ so the best is the figure to compare; the median shows the noise.
         .venv/bin/python python/llmq/quant/bench_quantize.py [--repeats 5] [--threads 1,2] [--quick]
 
 A second table compares methods "search" and "hqq" (asymmetric only) with "minmax"
-(throughput and error).
+(throughput and error); a third times the "hqq" kernel alone at an LLM weight scale.
 """
 
 from __future__ import annotations
@@ -65,6 +65,7 @@ def main() -> None:
                     best, med = _time(fn, args.repeats)
                     print(f"{shape_name:<22}{cfg_name:<18}{path:<8}{t:>8}{nbytes / best / 1e9:>11.2f}{nbytes / med / 1e9:>13.2f}", flush=True)
     search_table(args.repeats)
+    hqq_kernel_table(args.repeats, threads)
 
 
 SEARCH_CONFIGS = {"int4 g32 sym": (4, True), "int3 g32 sym": (3, True), "int4 g32 asym": (4, False), "int3 g32 asym": (3, False)}
@@ -91,6 +92,18 @@ def search_table(repeats: int) -> None:
             err = float((dequantize(quantize_weight_torch(w, cfg), torch.float32).double() - w.double()).square().sum())
             base = err if base is None else base
             print(f"{'':<22}{cfg_name:<18}{method:<8}{nbytes / best / 1e6:>11.1f}{err:>12.1f}{err / base:>11.3f}", flush=True)
+
+
+def hqq_kernel_table(repeats: int, threads) -> None:
+    """The "hqq" kernel alone (scale and zero choice, no packing) at an LLM weight scale,
+    2048x4096 N(0, 0.02^2) float32, g32, int4: MB/s of bf16-equivalent input."""
+    if not _native.hqq_available():
+        return
+    w = torch.randn(2048, 4096, generator=torch.Generator().manual_seed(0)) * 0.02
+    print(f"\n{'hqq kernel 2048x4096':<22}{'config':<18}{'threads':>8}{'best MB/s':>11}{'median MB/s':>13}")
+    for t in threads:
+        best, med = _time(lambda: _native.hqq_qparams(w, 32, 4, threads=t), repeats)
+        print(f"{'N(0, 0.02^2)':<22}{'int4 g32 asym':<18}{t:>8}{w.numel() * 2 / best / 1e6:>11.1f}{w.numel() * 2 / med / 1e6:>13.1f}", flush=True)
 
 
 if __name__ == "__main__":
