@@ -24,6 +24,46 @@ constexpr double kExpCoefs[] = {1.0 / 6227020800.0, 1.0 / 479001600.0, 1.0 / 399
 
 #define HQQ_INLINE inline __attribute__((always_inline))
 
+constexpr double kMagic = 6755399441055744.0;  // 1.5 * 2^52: integer <-> double by bit patterns
+
+HQQ_INLINE int64_t bits_of(double d) {
+  int64_t b;
+  std::memcpy(&b, &d, 8);
+  return b;
+}
+
+HQQ_INLINE double double_of(int64_t b) {
+  double d;
+  std::memcpy(&d, &b, 8);
+  return d;
+}
+
+// hqq.pow_det for a positive normal double: a = m 2^k (m in [0.5, 1), what frexp returns),
+// m moved to [sqrt(1/2), sqrt(2)), ln m by its atanh series, exp by its Taylor series around
+// the nearest multiple of ln 2, then an exact power of two. Branch-free (integer <-> double
+// conversions through the 1.5 * 2^52 bit trick, exact for these small integers) so that the
+// compiler can vectorise the loop that calls it.
+HQQ_INLINE double pow_det(double a, double e) {
+  const int64_t b = bits_of(a);
+  const int64_t k = ((b >> 52) & 0x7ff) - 1022;
+  double m = double_of((b & 0x000fffffffffffffLL) | 0x3fe0000000000000LL);
+  double kd = double_of(k + bits_of(kMagic)) - kMagic;
+  const bool small = m < kSqrtHalf;
+  m = small ? m * 2.0 : m;
+  kd = small ? kd - 1.0 : kd;
+  const double t = (m - 1.0) / (m + 1.0);
+  const double t2 = t * t;
+  double s = kLogCoefs[0];
+  for (size_t i = 1; i < sizeof(kLogCoefs) / sizeof(kLogCoefs[0]); ++i) s = s * t2 + kLogCoefs[i];
+  const double y = (2.0 * t * s + kd * kLn2) * e;
+  const double nn = std::nearbyint(y / kLn2);
+  const double r = y - nn * kLn2;
+  double p = kExpCoefs[0];
+  for (size_t i = 1; i < sizeof(kExpCoefs) / sizeof(kExpCoefs[0]); ++i) p = p * r + kExpCoefs[i];
+  const int64_t n = bits_of(nn + kMagic) - bits_of(kMagic);
+  return p * double_of((n + 1023) << 52);
+}
+
 // Codes and float32 residual of one group at zero z (vectorisable: no reduction).
 HQQ_INLINE void evaluate(const float* w, int64_t n, float s, float inv, float z, float qmax, float* q, float* x) {
   for (int64_t j = 0; j < n; ++j) {
@@ -73,14 +113,13 @@ HQQ_INLINE float update_zero(const float* w, const float* q, const float* x, con
     we[j] = 0.0f;
     any |= std::fabs(static_cast<double>(x[j])) >= cutoff;
   }
-  if (any) {
+  if (any) {  // every element, branch-free (vectorisable); tiny ones masked out
     const double e = kHqqP - 1.0;
     for (int64_t j = 0; j < n; ++j) {
       const double a = std::fabs(static_cast<double>(x[j]));
-      if (a >= FLT_MIN && a >= cutoff) {
-        const double v = a - hqq_pow_det(a, e) / beta;
-        if (v > 0) we[j] = std::copysign(static_cast<float>(v), x[j]);
-      }
+      const double v = a - pow_det(std::max(a, static_cast<double>(FLT_MIN)), e) / beta;
+      const float f = std::copysign(static_cast<float>(v), x[j]);
+      we[j] = (a >= FLT_MIN && v > 0) ? f : 0.0f;
     }
   }
   if (a != nullptr) {
@@ -130,28 +169,7 @@ void hqq_group(const float* w, const float* a, int64_t n, int bits, const double
 
 }  // namespace
 
-double hqq_pow_det(double a, double e) {
-  int k = 0;
-  double m = std::frexp(a, &k);
-  double kd = static_cast<double>(k);
-  if (m < kSqrtHalf) {
-    m = m * 2.0;
-    kd = kd - 1.0;
-  }
-  const double t = (m - 1.0) / (m + 1.0);
-  const double t2 = t * t;
-  double s = kLogCoefs[0];
-  for (size_t i = 1; i < sizeof(kLogCoefs) / sizeof(kLogCoefs[0]); ++i) s = s * t2 + kLogCoefs[i];
-  const double y = (2.0 * t * s + kd * kLn2) * e;
-  const double nn = std::nearbyint(y / kLn2);
-  const double r = y - nn * kLn2;
-  double p = kExpCoefs[0];
-  for (size_t i = 1; i < sizeof(kExpCoefs) / sizeof(kExpCoefs[0]); ++i) p = p * r + kExpCoefs[i];
-  const int64_t bits = (static_cast<int64_t>(nn) + 1023) << 52;
-  double two_n;
-  std::memcpy(&two_n, &bits, 8);
-  return p * two_n;
-}
+double hqq_pow_det(double a, double e) { return pow_det(a, e); }
 
 void hqq_qparams(const float* g, int64_t rows, int64_t k, int64_t group_size, int bits, float* scale, float* zero,
                  int threads, const float* importance) {
