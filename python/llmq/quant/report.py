@@ -8,9 +8,9 @@ writes three files into `folder`:
 * `<stem>.csv`: one row per tensor (name, format, shape, numel, bits_per_weight,
   rel_error, sqnr_db, max_abs_error) and a final `TOTAL` row;
 * `<stem>.md`: the same as a Markdown table;
-* `<stem>.png`: a bar chart drawn without any plotting library (stdlib zlib only): one bar
-  per tensor in table order, height = SQNR in dB (0 at the bottom, the largest finite SQNR at
-  the top), horizontal grid lines every 10 dB, bar colour by format (legend in the .md).
+* `<stem>.png`: a bar chart drawn with matplotlib: one bar per tensor in table order, height
+  = SQNR in dB (an exact SQNR, +inf, drawn at the top of the axis), colour by format, with a
+  legend; `sqnr_bars()` returns what it draws.
 
 Definitions (per tensor, W the original upcast to float64, W' = dequantize(quantized) in
 float64, E = W - W'):
@@ -28,8 +28,6 @@ import csv
 import dataclasses
 import math
 import os
-import struct
-import zlib
 from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
@@ -151,47 +149,43 @@ class ErrorReport:
         for r in self.rows + [self.total()]:
             lines.append("| " + " | ".join(c.replace("|", "\\|") for c in self._cells(r)) + " |")
         if png_name:
-            legend = ", ".join(f"{fmt}: rgb{col}" for fmt, col in self._colours().items())
             lines += ["", f"![SQNR per tensor]({png_name})", "",
-                      f"Bars: SQNR (dB) per tensor in table order; grid every 10 dB; colours: {legend}."]
+                      "Bars: SQNR (dB) per tensor in table order, coloured by format (legend in the picture)."]
         with open(path, "w") as f:
             f.write("\n".join(lines) + "\n")
 
-    _PALETTE = ((31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189), (140, 86, 75))
-
-    def _colours(self) -> Dict[str, Tuple[int, int, int]]:
-        out: Dict[str, Tuple[int, int, int]] = {}
-        for r in self.rows:
-            if r.format not in out:
-                out[r.format] = self._PALETTE[len(out) % len(self._PALETTE)]
-        return out
-
-    def write_png(self, path: str, height: int = 200, bar: int = 6) -> None:
-        """The SQNR bar chart (module docstring), an 8-bit RGB PNG."""
+    def sqnr_bars(self) -> List[Tuple[str, float, str]]:
+        """(tensor, bar height in dB, format) per row, as write_png draws them: +inf (exact) at the
+        axis top (the largest finite SQNR rounded up to 10 dB, at least 10), NaN/-inf at 0."""
         finite = [r.sqnr_db for r in self.rows if math.isfinite(r.sqnr_db)]
-        top = max([10.0] + [v for v in finite if v > 0])
-        top = 10.0 * math.ceil(top / 10.0)
-        colours = self._colours()
-        width = max(1, len(self.rows)) * bar + 2
-        img = [[(255, 255, 255)] * width for _ in range(height)]
-        for db in range(0, int(top) + 1, 10):  # grid
-            y = height - 1 - round(db / top * (height - 1))
-            img[y] = [(200, 200, 200)] * width
-        for i, r in enumerate(self.rows):
-            v = r.sqnr_db
-            v = top if v == math.inf else max(0.0, v if math.isfinite(v) else 0.0)
-            h = round(v / top * (height - 1))
-            for y in range(height - h, height):
-                for x in range(1 + i * bar, 1 + i * bar + bar - 1):
-                    img[y][x] = colours[r.format]
-        raw = b"".join(b"\x00" + bytes(c for px in row for c in px) for row in img)
+        top = 10.0 * math.ceil(max([10.0] + finite) / 10.0)
+        return [(r.name, top if r.sqnr_db == math.inf else max(0.0, r.sqnr_db) if math.isfinite(r.sqnr_db) else 0.0,
+                 r.format) for r in self.rows]
 
-        def chunk(kind: bytes, data: bytes) -> bytes:
-            return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+    def write_png(self, path: str) -> None:
+        """The SQNR bar chart (module docstring)."""
+        import matplotlib
 
-        with open(path, "wb") as f:
-            f.write(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
-                    + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
+        matplotlib.use("Agg")  # files only, no display
+        from matplotlib import pyplot as plt
+
+        bars = self.sqnr_bars()
+        formats = list(dict.fromkeys(f for _, _, f in bars))
+        colours = {f: plt.get_cmap("tab10")(i % 10) for i, f in enumerate(formats)}
+        fig, ax = plt.subplots(figsize=(max(6.0, 0.12 * len(bars)), 3.5), dpi=100)
+        try:
+            ax.bar(range(len(bars)), [h for _, h, _ in bars], color=[colours[f] for _, _, f in bars], width=0.8)
+            for f in formats:
+                ax.bar([], [], color=colours[f], label=f)
+            ax.set_xlabel("tensor (table order)")
+            ax.set_ylabel("SQNR (dB)")
+            ax.set_title(f"quantization error per tensor ({len(bars)} tensors)")
+            ax.grid(axis="y", alpha=0.4)
+            ax.legend(loc="lower right", fontsize="small")
+            fig.tight_layout()
+            fig.savefig(path, format="png")
+        finally:
+            plt.close(fig)
 
     def write(self, folder: str, stem: str = "quant_error") -> Dict[str, str]:
         """Write <stem>.csv, <stem>.md and <stem>.png into folder (created if missing); returns
