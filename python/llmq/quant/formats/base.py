@@ -113,6 +113,15 @@ def register_format(fmt: Format, *, overwrite: bool = False) -> Format:
     return fmt
 
 
+def unregister_format(fmt: Format) -> None:
+    """Remove `fmt` (its names and container) from the registry; for tests that add a family."""
+    for name in fmt.names:
+        if _BY_NAME.get(name) is fmt:
+            del _BY_NAME[name]
+    if _BY_TYPE.get(fmt.container) is fmt:
+        del _BY_TYPE[fmt.container]
+
+
 def get_format(name: str) -> Format:
     """The format registered under `name`; ValueError naming the known ones otherwise."""
     fmt = _BY_NAME.get(name) if isinstance(name, str) else None

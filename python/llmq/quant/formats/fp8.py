@@ -12,7 +12,7 @@ import torch
 
 from llmq.quant import fp
 from llmq.quant.formats.base import Format, Layout
-from llmq.quant.formats.hf_export import HFExport, ct_weights, scalar_shape
+from llmq.quant.formats.hf_export import HFExport, ct_weights, modelopt_raw_codes_warning, scalar_shape
 
 # granularity -> (ModelOpt quant_algo, compressed-tensors strategy)
 _HF_NAMES = {"tensor": ("FP8", "tensor"), "channel": ("FP8_PER_CHANNEL_PER_TOKEN", "channel"), "block128": ("FP8_PB_WO", "block")}
@@ -102,6 +102,14 @@ class FP8HFExport(HFExport):
         if granularity is None:
             return None
         return {"format": "fp8", "granularity": granularity, "static_input_scale": granularity == "tensor"}
+
+    def rel_rms_bound(self, spec):
+        return 0.1
+
+    def known_misreads(self, fields, style, moe):
+        if style != "modelopt":
+            return ()
+        return (modelopt_raw_codes_warning("FP8"),)
 
     def needs_tensor_amax(self, spec):
         return spec.granularity == "tensor"

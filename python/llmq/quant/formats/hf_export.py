@@ -30,6 +30,14 @@ def ct_weights(spec: Any, **fields: Any) -> Dict[str, Any]:
     return {"num_bits": spec.bits, "symmetric": spec.symmetric, "dynamic": False, **fields}
 
 
+def modelopt_raw_codes_warning(label: str) -> str:
+    """transformers 5.x has no "modelopt" quant_method: it skips the config and loads an unpacked
+    8-bit weight (FP8, MXFP8) as its raw codes, scales ignored, without an error (measured:
+    docs/export.md, "Consumers tried")."""
+    return (f"transformers 5.x from_pretrained loads this ModelOpt {label} folder without error but with the raw {label} "
+            "codes as weights (weight_scale ignored); load it with vLLM (quantization='modelopt') or TensorRT-LLM")
+
+
 class HFExport:
     """What one family writes into a Hugging Face folder, and how its readers decode it.
 
@@ -101,6 +109,16 @@ class HFExport:
         """{"format", "weights", "input_activations", "output_activations"}."""
         raise NotImplementedError
 
+    def readback_rel_tolerance(self, spec: Any) -> float:
+        """Relative difference allowed between the reader's formula and llmq's exact dequantization
+        of the same container (0: the formula is exact)."""
+        return 0.0
+
+    def rel_rms_bound(self, spec: Any) -> float:
+        """A generous bound on ||dequantized - original|| / ||original|| for a correctly quantized
+        weight (what read-back flags against a float reference); default by element width."""
+        return 0.75 * 2.0 ** (2 - spec.bits)
+
     # ---- reading a folder's config back (llmq/export/readback.py) -----------------------------
     def from_compressed_tensors(self, scheme: Mapping[str, Any]) -> Optional[Dict[str, Any]]:
         """Spec fields (format, bits, group_size, granularity, symmetric, static_input_scale) for
@@ -111,6 +129,11 @@ class HFExport:
         """Spec fields for a ModelOpt layer config ({"quant_algo", "group_size"}) this family
         writes, else None."""
         return None
+
+    def known_misreads(self, fields: Mapping[str, Any], style: str, moe: bool) -> Tuple[str, ...]:
+        """One line per known consumer that loads such a folder wrongly without an error (style,
+        the model has MoE experts), naming a loader that reads it correctly."""
+        return ()
 
     # ---- numbers -----------------------------------------------------------------------------
     def needs_tensor_amax(self, spec: Any) -> bool:

@@ -12,7 +12,7 @@ import torch
 from llmq.quant import fp
 from llmq.quant.formats._fixed import check_fixed
 from llmq.quant.formats.base import Format, Layout
-from llmq.quant.formats.hf_export import HFExport, ct_weights
+from llmq.quant.formats.hf_export import HFExport, ct_weights, modelopt_raw_codes_warning
 
 _BITS = {"mxfp4": 4, "mxfp8": 8}
 # name -> (ModelOpt quant_algo, compressed-tensors format)
@@ -58,6 +58,15 @@ class MXHFExport(HFExport):
     def from_modelopt(self, layer_config):
         names = [n for n, (algo, _) in _HF_NAMES.items() if algo == layer_config.get("quant_algo")]
         return {"format": names[0]} if names else None
+
+    def rel_rms_bound(self, spec):
+        return 0.35 if _BITS[spec.format] == 4 else 0.1
+
+    def known_misreads(self, fields, style, moe):
+        # Packed MXFP4 fails to load loudly (shape mismatch); unpacked MXFP8 loads as raw codes.
+        if style == "modelopt" and _BITS[fields["format"]] == 8:
+            return (modelopt_raw_codes_warning("MXFP8"),)
+        return ()
 
     def quantize(self, weight, spec, state):
         return fp.quantize_mx(weight, spec.format, name=f"{spec.module}.weight")
