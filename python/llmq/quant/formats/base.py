@@ -33,6 +33,7 @@ class Format(abc.ABC):
     container: type = object  # the in-memory class of a quantized weight
     can_quantize: bool = True  # False for import-only families (GGUF block types)
     has_quantized_module: bool = False  # QuantizedLinear / QuantizedEmbedding can hold it
+    methods: Tuple[str, ...] = ("minmax",)  # the QuantConfig.method values its quantize takes
     # Optional: how the family is written into Hugging Face folders (an HFExport, hf_export.py);
     # None where it is not exportable.
     hf_export: Optional[Any] = None

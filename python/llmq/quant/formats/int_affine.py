@@ -292,6 +292,7 @@ class IntAffineFormat(Format):
     names = ("int",)
     container = GroupQuantizedWeight
     has_quantized_module = True
+    methods = ("minmax", "search", "hqq")  # llmq.quant.quantize / search / hqq
     hf_export = IntAffineHFExport()
     # Bundles store this family as {"kind": "group_quantized", "bits", "group_size", ...}, the
     # record every bundle version has used for it (so integer bundles stay byte-identical).

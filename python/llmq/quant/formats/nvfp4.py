@@ -84,8 +84,9 @@ class NVFP4HFExport(HFExport):
     def known_misreads(self, fields, style, moe):
         if style != "compressed-tensors" or not moe:
             return ()
-        return ("transformers 5.x from_pretrained loads this compressed-tensors NVFP4 MoE folder's experts wrongly without "
-                "error; decompress it with compressed-tensors' ModelCompressor or serve it with vLLM",)
+        return ("transformers 5.x from_pretrained loads this compressed-tensors NVFP4 MoE folder without error but its experts "
+                "do not match the stored values and the outputs are wrong (docs/export.md, 'Consumers tried'); decompress it "
+                "with compressed-tensors' ModelCompressor or serve it with vLLM",)
 
     def input_scale(self, amax, spec):
         s = amax / (fp.FP4_E2M1_MAX * fp.FP8_E4M3_MAX)
