@@ -11,7 +11,7 @@ import json
 import re
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence
 
-from llmq.export.spec import STYLES, WeightExportSpec, export_format_names, export_hook
+from llmq.export.spec import STYLES, WeightExportSpec, export_hooks
 
 PRODUCER = {"name": "llmq", "version": "0.1"}
 
@@ -58,8 +58,8 @@ def _modelopt_group(layer_config: Mapping[str, Any]) -> Dict[str, Any]:
     """A compressed-tensors-like description of one ModelOpt quant_algo (what ModelOpt puts
     in config.json's config_groups), from the hook of the format family that writes it."""
     algo, gs = layer_config["quant_algo"], layer_config.get("group_size")
-    for name in export_format_names():
-        group = export_hook(name).modelopt_groups().get(algo)
+    for hook in export_hooks():
+        group = hook.modelopt_groups().get(algo)
         if group is not None:
             return group(gs)
     raise ValueError(f"ModelOpt quant_algo {algo!r} is written by no registered format")

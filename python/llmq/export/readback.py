@@ -31,7 +31,7 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 import torch
 from safetensors import safe_open
 
-from llmq.export.spec import WeightExportSpec, export_format_names, export_hook
+from llmq.export.spec import WeightExportSpec, export_hook, export_hooks
 from llmq.quant.formats import format_of
 
 Reference = Union[None, Mapping[str, Any], Callable[[str], Any]]
@@ -171,8 +171,8 @@ def _scheme_lookup(cfg: Mapping[str, Any], folder: str, problems: List[str]) -> 
 
 
 def _first(ask):
-    for name in export_format_names():
-        fields = ask(export_hook(name))
+    for hook in export_hooks():
+        fields = ask(hook)
         if fields is not None:
             return fields
     return None
@@ -228,7 +228,10 @@ def verify_export(folder: str, reference: Reference = None) -> ExportReport:
             report.problems.append(str(e))
             continue
         report.modules[module] = spec.format
-        _verify_module(files, spec, ref(module), report)
+        try:
+            _verify_module(files, spec, ref(module), report)
+        except Exception as e:  # noqa: BLE001 -- a damaged file is a finding, not a crash
+            report.problems.append(f"{module}: cannot be read back ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
     if isinstance(reference, Mapping):
         for module in sorted(set(reference) - set(report.modules)):
             if format_of(reference[module]) is not None:  # a float weight may stay unquantized
@@ -272,6 +275,9 @@ def _verify_module(files: _Folder, spec: WeightExportSpec, reference: Any, repor
     if reference is None:
         return
     fmt = format_of(reference)
+    if fmt is not None and fmt.name_of(reference) != spec.format:
+        report.problems.append(f"{spec.module}: the folder stores {spec.format}, llmq quantized it as {fmt.name_of(reference)}")
+        return
     if fmt is not None:  # what was quantized: the exact tensors and values
         expect_tensors = {names[r]: t for r, t in spec.hook.to_tensors(reference, spec, None, None).items()}
         for name, t in expect_tensors.items():

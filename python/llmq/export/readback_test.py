@@ -205,3 +205,28 @@ def test_known_consumer_misreads_are_one_line_each(tmp_path):
     assert "experts" in warning and "ModelCompressor" in warning
     assert consumer_warnings(_write(tmp_path, "ct_nv_dense", nv, "compressed-tensors", moe=False)[0]) == []
     assert consumer_warnings(_write(tmp_path, "ct_fp8", fp8, "compressed-tensors", moe=False)[0]) == []
+
+
+@pytest.mark.parametrize("style", ["compressed-tensors", "modelopt"])
+def test_every_config_entry_parses_back_to_its_spec(style):
+    """Each exportable format's hook inverts its own config entry (what read-back relies on)."""
+    from llmq.export import WeightExportSpec
+    from llmq.export.spec import export_format_names, export_hook, export_hooks
+
+    cases = [("nvfp4", {}), ("nvfp4", {"static_input_scale": True}), ("mxfp4", {}), ("mxfp8", {}),
+             ("fp8", {"granularity": "tensor", "static_input_scale": True}), ("fp8", {"granularity": "channel"}),
+             ("fp8", {"granularity": "block128"}), ("int", {"bits": 4, "group_size": 32}),
+             ("int", {"bits": 8, "group_size": None, "symmetric": False})]
+    assert {f for f, _ in cases} == set(export_format_names())
+    if style == "compressed-tensors":
+        cases.append(("fp8", {"granularity": "tensor"}))
+    for fmt, kw in cases:
+        if style == "modelopt" and "modelopt" not in export_hook(fmt).styles:
+            continue
+        spec = WeightExportSpec("m.x", fmt, style=style, **kw)
+        if style == "compressed-tensors":
+            parsed = [f for h in export_hooks() if (f := h.from_compressed_tensors(spec.compressed_tensors_scheme()))]
+        else:
+            parsed = [f for h in export_hooks() if (f := h.from_modelopt(spec.modelopt_layer_config()))]
+        assert len(parsed) == 1, (fmt, kw, parsed)
+        assert WeightExportSpec("m.x", style=style, **parsed[0]) == spec, (fmt, kw)

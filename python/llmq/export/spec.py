@@ -25,6 +25,16 @@ def export_format_names() -> Tuple[str, ...]:
     return tuple(n for n in format_names() if get_format(n).hf_export is not None)
 
 
+def export_hooks() -> Tuple[HFExport, ...]:
+    """Every registered HF export hook once, in registration order (a family may have several names)."""
+    out: list = []
+    for name in export_format_names():
+        hook = get_format(name).hf_export
+        if all(hook is not h for h in out):
+            out.append(hook)
+    return tuple(out)
+
+
 def export_hook(name: str) -> HFExport:
     """The HF export hook of format `name` (ValueError naming the exportable ones)."""
     fmt = get_format(name) if isinstance(name, str) and name in format_names() else None
