@@ -18,7 +18,7 @@ from llmq.export.spec import (
     select_export_state,
 )
 from llmq.export.tensors import dequantize_exported_tensors, export_quantized_weight_tensors
-from llmq.export.writer import ExportSummary, write_hf_quantized_checkpoint
+from llmq.export.writer import ExportSummary, iter_module_weights, write_hf_quantized_checkpoint
 
 __all__ = [
     "ExportReport",
@@ -33,6 +33,7 @@ __all__ = [
     "consumer_warnings",
     "dequantize_exported_tensors",
     "export_quantized_weight_tensors",
+    "iter_module_weights",
     "make_spec",
     "merge_export_states",
     "read_export",

@@ -119,6 +119,10 @@ def test_a_written_folder_reads_back_exactly_as_quantized(style, tmp_path):
             assert err == 0.0, m
     # Against the float weights: every module within its format's error bound.
     assert verify_export(folder, _modules(sd)).ok
+    from llmq.export import iter_module_weights
+
+    split = dict(iter_module_weights(sd.items()))
+    assert split.keys() == _modules(sd).keys() and all(torch.equal(split[m], w) for m, w in _modules(sd).items())
     # read_export: the decoded weights, and everything else as stored.
     got = dict(read_export(folder))
     from llmq.quant.formats import format_of
