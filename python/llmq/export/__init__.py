@@ -7,6 +7,7 @@ from llmq.export.hf_config import (
     build_hf_quantization_config,
     build_modelopt_hf_quant_config,
 )
+from llmq.export.readback import ExportReport, consumer_warnings, read_export, verify_export
 from llmq.export.shards import ShardWriter
 from llmq.export.spec import (
     ExportState,
@@ -17,9 +18,10 @@ from llmq.export.spec import (
     select_export_state,
 )
 from llmq.export.tensors import dequantize_exported_tensors, export_quantized_weight_tensors
-from llmq.export.writer import ExportSummary, write_hf_quantized_checkpoint
+from llmq.export.writer import ExportSummary, iter_module_weights, write_hf_quantized_checkpoint
 
 __all__ = [
+    "ExportReport",
     "ExportState",
     "ExportSummary",
     "ShardWriter",
@@ -28,10 +30,14 @@ __all__ = [
     "build_hf_quantization_config",
     "build_modelopt_hf_quant_config",
     "compute_export_state",
+    "consumer_warnings",
     "dequantize_exported_tensors",
     "export_quantized_weight_tensors",
+    "iter_module_weights",
     "make_spec",
     "merge_export_states",
+    "read_export",
     "select_export_state",
+    "verify_export",
     "write_hf_quantized_checkpoint",
 ]

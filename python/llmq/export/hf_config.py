@@ -11,7 +11,7 @@ import json
 import re
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence
 
-from llmq.export.spec import STYLES, WeightExportSpec
+from llmq.export.spec import STYLES, WeightExportSpec, export_hooks
 
 PRODUCER = {"name": "llmq", "version": "0.1"}
 
@@ -56,19 +56,13 @@ def build_modelopt_hf_quant_config(
 
 def _modelopt_group(layer_config: Mapping[str, Any]) -> Dict[str, Any]:
     """A compressed-tensors-like description of one ModelOpt quant_algo (what ModelOpt puts
-    in config.json's config_groups)."""
+    in config.json's config_groups), from the hook of the format family that writes it."""
     algo, gs = layer_config["quant_algo"], layer_config.get("group_size")
-    fp8 = {"dynamic": False, "num_bits": 8, "type": "float"}
-    fp4 = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": gs}
-    return {
-        "FP8": {"input_activations": dict(fp8), "weights": dict(fp8)},
-        "FP8_PER_CHANNEL_PER_TOKEN": {"input_activations": {**fp8, "dynamic": True}, "weights": {**fp8, "strategy": "channel"}},
-        "FP8_PB_WO": {"weights": {**fp8, "strategy": "block", "block_structure": [gs, gs]}},
-        "NVFP4": {"input_activations": dict(fp4), "weights": dict(fp4)},
-        "W4A16_NVFP4": {"weights": dict(fp4)},
-        "MXFP4": {"weights": {**fp4, "scale_dtype": "e8m0"}},
-        "MXFP8": {"weights": {**fp8, "group_size": gs, "scale_dtype": "e8m0"}},
-    }[algo]
+    for hook in export_hooks():
+        group = hook.modelopt_groups().get(algo)
+        if group is not None:
+            return group(gs)
+    raise ValueError(f"ModelOpt quant_algo {algo!r} is written by no registered format")
 
 
 def modelopt_config_json_entry(hf_quant_config: Mapping[str, Any]) -> Dict[str, Any]:

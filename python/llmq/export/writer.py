@@ -163,12 +163,9 @@ class _Exporter:
         """[E, 2I, H] gate_up (gate rows first, as transformers computes it) or [E, H, I] down
         -> per-expert quantized tensors; never left in high precision without a recipe rule."""
         n_experts = w.shape[0]
-        leaves = ("gate_proj", "up_proj") if proj == "gate_up_proj" else ("down_proj",)
-        if proj == "gate_up_proj" and w.shape[1] % 2:
-            raise ValueError(f"{name}: fused gate_up has an odd number of rows {w.shape[1]}")
-        rows = w.shape[1] // len(leaves)
+        leaves = _fused_leaves(proj, name, w)
         for e in range(n_experts):
-            parts = {leaf: w[e, i * rows : (i + 1) * rows] for i, leaf in enumerate(leaves)}
+            parts = _split_expert(w, e, leaves)
             specs = {leaf: self.spec_for(f"{prefix}.{e}.{leaf}") for leaf in leaves}
             missing = [f"{prefix}.{e}.{leaf}" for leaf, s in specs.items() if s is None]
             if missing:
@@ -187,6 +184,32 @@ class _Exporter:
     def finish(self) -> None:
         for key in list(self.pending):
             self.flush_group(key)
+
+
+def _fused_leaves(proj: str, name: str, w: torch.Tensor) -> Tuple[str, ...]:
+    if proj == "gate_up_proj" and w.shape[1] % 2:
+        raise ValueError(f"{name}: fused gate_up has an odd number of rows {w.shape[1]}")
+    return ("gate_proj", "up_proj") if proj == "gate_up_proj" else ("down_proj",)
+
+
+def _split_expert(w: torch.Tensor, e: int, leaves: Tuple[str, ...]) -> Dict[str, torch.Tensor]:
+    rows = w.shape[1] // len(leaves)
+    return {leaf: w[e, i * rows : (i + 1) * rows] for i, leaf in enumerate(leaves)}
+
+
+def iter_module_weights(tensors: Iterable[Tuple[str, torch.Tensor]]) -> Iterable[Tuple[str, torch.Tensor]]:
+    """(module fqn, 2-D weight) for every weight the writer may quantize, from the same input it
+    takes: each 2-D ``<module>.weight`` and every expert of fused stacked experts, split exactly as
+    the writer splits them (views, no copies). A float reference for verify_export."""
+    for name, tensor in tensors:
+        m = _FUSED_EXPERTS.match(name)
+        if m and tensor.dim() == 3:
+            leaves = _fused_leaves(m.group("proj"), name, tensor)
+            for e in range(tensor.shape[0]):
+                for leaf, part in _split_expert(tensor, e, leaves).items():
+                    yield f"{m.group('prefix')}.{e}.{leaf}", part
+        elif name.endswith(".weight") and tensor.dim() == 2:
+            yield name[: -len(".weight")], tensor
 
 
 def write_hf_quantized_checkpoint(

@@ -84,8 +84,8 @@ class QuantConfig:
             raise ValueError(f"QuantConfig.symmetric must be a bool, got {self.symmetric!r}")
         if self.method not in METHODS:
             raise ValueError(f"QuantConfig.method={self.method!r} unknown; expected one of {METHODS}")
-        if self.method != "minmax" and self.format != INT_FORMAT:
-            raise ValueError(f"QuantConfig.method={self.method!r} applies to format 'int' only; format {self.format!r} takes 'minmax'")
+        if self.method not in fmt.methods:
+            raise ValueError(f"QuantConfig.method={self.method!r} does not apply to format {self.format!r}; it takes {' or '.join(map(repr, fmt.methods))}")
         if self.method == "hqq" and self.symmetric:
             raise ValueError("QuantConfig.method='hqq' optimises the zero point: it needs symmetric=False (asymmetric)")
         object.__setattr__(self, "scale_dtype", _dtype_from_name(self.scale_dtype))

@@ -19,6 +19,7 @@ from llmq.quant.formats.base import (
     is_quantized,
     nbytes_of,
     register_format,
+    unregister_format,
 )
 from llmq.quant.formats.int_affine import (
     DEQUANT_BLOCK_ELEMENTS,
@@ -44,7 +45,7 @@ register_format(NVFP4Format())
 register_format(GGUFBlockFormat())
 
 __all__ = [
-    "Format", "register_format", "get_format", "format_of", "format_names", "is_quantized", "nbytes_of",
+    "Format", "register_format", "unregister_format", "get_format", "format_of", "format_names", "is_quantized", "nbytes_of",
     "GroupQuantizedWeight", "SUPPORTED_BITS", "DEQUANT_BLOCK_ELEMENTS", "dequantize_canonical", "pack_bits",
     "unpack_bits", "packed_row_bytes", "validate_layout",
 ]

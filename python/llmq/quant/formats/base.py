@@ -33,6 +33,10 @@ class Format(abc.ABC):
     container: type = object  # the in-memory class of a quantized weight
     can_quantize: bool = True  # False for import-only families (GGUF block types)
     has_quantized_module: bool = False  # QuantizedLinear / QuantizedEmbedding can hold it
+    methods: Tuple[str, ...] = ("minmax",)  # the QuantConfig.method values its quantize takes
+    # Optional: how the family is written into Hugging Face folders (an HFExport, hf_export.py);
+    # None where it is not exportable.
+    hf_export: Optional[Any] = None
 
     # -- configuration ----------------------------------------------------------------------------
     @abc.abstractmethod
@@ -108,6 +112,15 @@ def register_format(fmt: Format, *, overwrite: bool = False) -> Format:
     if fmt.container is not object:
         _BY_TYPE[fmt.container] = fmt
     return fmt
+
+
+def unregister_format(fmt: Format) -> None:
+    """Remove `fmt` (its names and container) from the registry; for tests that add a family."""
+    for name in fmt.names:
+        if _BY_NAME.get(name) is fmt:
+            del _BY_NAME[name]
+    if _BY_TYPE.get(fmt.container) is fmt:
+        del _BY_TYPE[fmt.container]
 
 
 def get_format(name: str) -> Format:

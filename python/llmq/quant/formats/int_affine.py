@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from typing import Any, Dict, Tuple
 
 import torch
 
 from llmq.quant.formats.base import Format, Layout
+from llmq.quant.formats.hf_export import HFExport, ct_weights
 
 SUPPORTED_BITS = (2, 3, 4, 5, 6, 7, 8)
 
@@ -164,6 +166,125 @@ def dequantize_canonical(w: GroupQuantizedWeight, dtype: torch.dtype = torch.flo
     return out.reshape(w.shape)
 
 
+# --------------------------------------------------------------------------------------------
+# Hugging Face export: compressed-tensors "pack-quantized"
+# --------------------------------------------------------------------------------------------
+
+
+def _bytes_to_int32_words(rows: torch.Tensor) -> torch.Tensor:
+    """uint8 [R, B] LSB-first bit stream -> int32 [R, ceil(B/4)] little-endian words."""
+    pad = (-rows.shape[-1]) % 4
+    if pad:
+        rows = torch.nn.functional.pad(rows, (0, pad))
+    words = rows.contiguous().view(torch.int32)
+    if sys.byteorder != "little":
+        raise RuntimeError("compressed-tensors packing assumes a little-endian machine")
+    return words
+
+
+class IntAffineHFExport(HFExport):
+    """Integer weights as compressed-tensors pack-quantized: ``weight_packed`` int32 words of the
+    LSB-first stream of q_signed + 2**(b-1) (our unsigned q), ``weight_scale``, optional
+    ``weight_zero_point`` (packed along N), ``weight_shape``; w = (q_signed - zp) * scale.
+
+    Exact only when the additive bias is -2**(b-1)*scale (symmetric) or -zero*scale with an
+    integer zero (asymmetric); otherwise (e.g. HQQ float zeros) the weight is refused."""
+
+    styles = ("compressed-tensors",)
+    asymmetric = True
+    stacked = False
+
+    def normalize(self, spec, where):
+        if spec.style != "compressed-tensors":
+            raise ValueError(f"{where}: integer weights are exported in the compressed-tensors style (pack-quantized); ModelOpt's INT4 AWQ layout is not supported")
+        out = super().normalize(spec, where)
+        if spec.bits not in SUPPORTED_BITS:
+            raise ValueError(f"{where}: int bits={spec.bits} unsupported; expected 2..8")
+        if spec.group_size is not None and spec.group_size <= 0:
+            raise ValueError(f"{where}: int group_size must be positive or None (per channel)")
+        return out
+
+    def roles(self, spec):
+        roles = {"weight": "weight_packed", "scale": "weight_scale"}
+        if not spec.symmetric:
+            roles["zero_point"] = "weight_zero_point"
+        roles["shape"] = "weight_shape"
+        return roles
+
+    def dtypes(self, spec):
+        return {"weight": torch.int32, "scale": torch.float32, "zero_point": torch.int32, "shape": torch.int64}
+
+    def shapes(self, spec, n, k):
+        scale = (n, k // (spec.group_size or k))
+        shapes = {"weight": (n, -(-k * spec.bits // 32)), "scale": scale}
+        if not spec.symmetric:
+            shapes["zero_point"] = (-(-n * spec.bits // 32), scale[1])
+        shapes["shape"] = (2,)
+        return shapes
+
+    def compressed_tensors_scheme(self, spec):
+        gs = spec.group_size
+        w = ct_weights(spec, type="int", strategy="group" if gs else "channel", group_size=gs, block_structure=None)
+        return {"format": "pack-quantized", "weights": w, "input_activations": None, "output_activations": None}
+
+    def from_compressed_tensors(self, scheme):
+        w = scheme.get("weights") or {}
+        if scheme.get("format") != "pack-quantized" or w.get("type") != "int" or w.get("strategy") not in ("group", "channel"):
+            return None
+        return {"format": "int", "bits": w.get("num_bits"), "group_size": w.get("group_size") if w.get("strategy") == "group" else None,
+                "symmetric": bool(w.get("symmetric", True))}
+
+    def quantize(self, weight, spec, state):
+        from llmq.quant.quantize import quantize_weight  # quantize.py imports this package
+        from llmq.quant.recipe import QuantConfig
+
+        config = QuantConfig(format="int", bits=spec.bits, group_size=spec.group_size, symmetric=spec.symmetric)
+        return quantize_weight(weight, config, name=f"{spec.module}.weight")
+
+    def to_tensors(self, q, spec, state, dtype):
+        where = f"{spec.module}.weight"
+        if len(q.shape) != 2:
+            raise ValueError(f"{where}: pack-quantized export takes 2-D weights, got shape {list(q.shape)}")
+        if q.bits != spec.bits or q.group_size != (spec.group_size or q.shape[-1]):
+            raise ValueError(f"{where}: quantized with bits={q.bits} group_size={q.group_size}, spec says bits={spec.bits} group_size={spec.group_size}")
+        n, k = q.shape
+        half = 1 << (q.bits - 1)
+        out = {"weight": _bytes_to_int32_words(q.qdata)}
+        if spec.symmetric:
+            if not torch.equal(q.bias, -half * q.scale):
+                raise ValueError(f"{where}: bias is not -{half}*scale, so the weight is not symmetric; export it with symmetric=False")
+        else:
+            zero = -(q.bias.double() / q.scale.double())
+            zr = zero.round()
+            if not (torch.equal(zero, zr) and bool(((zr >= 0) & (zr < 2 * half)).all()) and torch.equal((-zr * q.scale.double()).float(), q.bias)):
+                raise ValueError(f"{where}: bias/scale is not an integer zero point in [0, {2 * half}); the weight (e.g. HQQ float zeros) has no exact pack-quantized form")
+            zp = zr.to(torch.uint8).t().contiguous()  # [G, N]: packed along the output dimension
+            padded = torch.nn.functional.pad(zp, (0, (-n) % 32))
+            words = _bytes_to_int32_words(pack_bits(padded, q.bits))[:, : -(-n * q.bits // 32)]
+            out["zero_point"] = words.t().contiguous()
+        out["scale"] = q.scale.to(dtype or torch.float32)
+        out["shape"] = torch.tensor([n, k], dtype=torch.int64)
+        return out
+
+    def dequantize(self, t, spec):
+        w, s = t["weight"], t["scale"]
+        n, k = (int(v) for v in t["shape"].tolist())
+        half = 1 << (spec.bits - 1)
+        row_bytes = k * spec.bits // 8
+        qdata = w.contiguous().view(torch.uint8)[:, :row_bytes]
+        scale = s.float()
+        if spec.symmetric:
+            bias = -half * scale
+        else:
+            if (n * spec.bits) % 8:
+                raise ValueError(f"{spec.module}: zero points of {n} rows at {spec.bits} bits do not fill whole bytes")
+            zbytes = t["zero_point"].t().contiguous().view(torch.uint8)[:, : n * spec.bits // 8]
+            zero = unpack_bits(zbytes, spec.bits, n).t()
+            bias = -(zero.float() * scale)
+        gq = GroupQuantizedWeight(qdata=qdata, scale=scale, bias=bias, bits=spec.bits, group_size=k // scale.shape[1], shape=(n, k))
+        return dequantize_canonical(gq)
+
+
 class IntAffineFormat(Format):
     """Group-wise integer affine weights (w = scale*q + bias), quantized by llmq.quant.quantize."""
 
@@ -171,6 +292,8 @@ class IntAffineFormat(Format):
     names = ("int",)
     container = GroupQuantizedWeight
     has_quantized_module = True
+    methods = ("minmax", "search", "hqq")  # llmq.quant.quantize / search / hqq
+    hf_export = IntAffineHFExport()
     # Bundles store this family as {"kind": "group_quantized", "bits", "group_size", ...}, the
     # record every bundle version has used for it (so integer bundles stay byte-identical).
     bundle_kind = "group_quantized"
