@@ -35,9 +35,11 @@ class _Accumulator:
 
 
 @torch.no_grad()
-def collect_importance(model: nn.Module, batches: Iterable[torch.Tensor]) -> Dict[str, torch.Tensor]:
+def collect_importance(model: nn.Module, batches: Iterable[torch.Tensor], floor: float = 1e-6) -> Dict[str, torch.Tensor]:
     """{linear module name: float32 [in_features] E[x^2]} over every token of every batch
-    (each batch a LongTensor of token ids [batch, seq] passed as model(ids))."""
+    (each batch a LongTensor of token ids [batch, seq] passed as model(ids)). A column the text
+    never excites (E[x^2] = 0) gets `floor` times the layer's mean instead, so every weight
+    stays > 0 (quantizers take a positive importance; a dead column's error then costs little)."""
     acc = _Accumulator()
     handles = [m.register_forward_pre_hook(acc.hook(name)) for name, m in model.named_modules()
                if isinstance(m, nn.Linear)]
@@ -47,7 +49,11 @@ def collect_importance(model: nn.Module, batches: Iterable[torch.Tensor]) -> Dic
     finally:
         for h in handles:
             h.remove()
-    return {name: (acc.sum_sq[name] / acc.count[name]).float() for name in acc.sum_sq}
+    out = {}
+    for name, total in acc.sum_sq.items():
+        mean_sq = total / acc.count[name]
+        out[name] = mean_sq.clamp_min(floor * max(float(mean_sq.mean()), 1e-30)).float()
+    return out
 
 
 def token_batches(ids: torch.Tensor, seq_len: int) -> Iterable[torch.Tensor]:

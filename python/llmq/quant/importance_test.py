@@ -31,6 +31,14 @@ def test_importance_is_the_mean_squared_input_of_every_linear():
     assert not model.up._forward_pre_hooks  # hooks removed
 
 
+def test_a_column_never_excited_gets_a_small_positive_floor():
+    model = nn.Sequential(nn.Linear(4, 3))
+    x = torch.tensor([[[1.0, 0.0, 2.0, 0.0]]])
+    got = collect_importance(model, [x])["0"]
+    mean = (1 + 4) / 4
+    assert got.tolist() == pytest.approx([1.0, 1e-6 * mean, 4.0, 1e-6 * mean])
+
+
 def test_token_batches_cover_the_stream_and_refuse_bad_input():
     ids = torch.arange(25)
     assert torch.equal(torch.cat([b[0] for b in token_batches(ids, 10)]), ids)
