@@ -144,15 +144,16 @@ def stored_bits(q, config) -> int:
     return bits(q, config)
 
 
-def llmq_variant(tensors: Dict[str, torch.Tensor], names: List[str], recipe_for: Callable[[str], object]
-                 ) -> Tuple[Dict[str, torch.Tensor], float]:
+def llmq_variant(tensors: Dict[str, torch.Tensor], names: List[str], recipe_for: Callable[[str], object],
+                 importance: Optional[Dict[str, torch.Tensor]] = None) -> Tuple[Dict[str, torch.Tensor], float]:
     """Quantize then dequantize every projection; (dequantized weights, bits per weight)."""
     from llmq.quant import dequantize, quantize_weight
 
     out, bits, count = {}, 0, 0
     for n in names:
         config = recipe_for(n)
-        q = quantize_weight(tensors[n], config, name=n)
+        imp = importance[n] if importance is not None and config.method == "hqq" else None
+        q = quantize_weight(tensors[n], config, name=n, importance=imp)
         out[n] = dequantize(q, torch.float32)
         bits += stored_bits(q, config)
         count += tensors[n].numel()
@@ -246,7 +247,7 @@ def main(argv=None) -> int:
         print(f"wrote {args.write_reference_gguf}")
         return 0
 
-    from llmq.quant import QuantConfig
+    from llmq.quant import QuantConfig, dequantize, quantize_weight
 
     wanted = [v for v in args.variants.split(",") if v]
     variants: Dict[str, Dict[str, torch.Tensor]] = {}
@@ -267,24 +268,27 @@ def main(argv=None) -> int:
         t0 = time.time()
         if name in simple:
             variants[name], bpw[name] = llmq_variant(reference, names, lambda n, c=simple[name]: c)
-        elif name == "imatrix":
-            from llmq.quant.weighted import quantize_weighted
-
+        elif name == "imatrix":  # HQQ minimising the importance-weighted error
+            config = simple["hqq"]
             out, bits, count = {}, 0, 0
             for n in names:
-                q = quantize_weighted(reference[n], int4, importance[n[: -len(".weight")]])
-                out[n] = q.dequantized
-                bits += q.bits
+                q = quantize_weight(reference[n], config, name=n, importance=importance[n[: -len(".weight")]])
+                out[n] = dequantize(q, torch.float32)
+                bits += stored_bits(q, config)
                 count += reference[n].numel()
             variants[name], bpw[name] = out, bits / count
         elif name == "budget":
             from llmq.quant.budget import budget_recipe, choose, measure_options
 
-            options = {n: measure_options(n, reference[n], importance=importance[n[: -len(".weight")]]) for n in names}
+            candidates = [QuantConfig(bits=b, group_size=g, symmetric=False, method="hqq")
+                          for b, g in ((3, 32), (4, 128), (4, 64), (4, 32), (5, 32), (6, 32), (8, 32))]
+            options = {n: measure_options(n, reference[n], candidates, importance=importance[n[: -len(".weight")]])
+                       for n in names}
             choice = choose(options, {n: reference[n].numel() for n in names}, args.budget_bits_per_weight)
             chosen = {n: options[n][i].config for n, i in choice.items()}
             print("budget recipe:", budget_recipe([(n[: -len(".weight")], c) for n, c in chosen.items()]).to_dict()["rules"][:3], "...")
-            variants[name], bpw[name] = llmq_variant(reference, names, lambda n: chosen[n])
+            variants[name], bpw[name] = llmq_variant(reference, names, lambda n: chosen[n],
+                                                     importance={n: importance[n[: -len(".weight")]] for n in names})
         else:
             raise SystemExit(f"error: --variants: unknown {name!r}")
         print(f"{name}: quantized in {time.time() - t0:.0f} s, {bpw[name]:.3f} bpw", flush=True)

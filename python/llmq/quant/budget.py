@@ -77,7 +77,8 @@ def measure_options(name: str, w: torch.Tensor, configs: Sequence[QuantConfig] =
         gs = config.group_size_for(w.shape[-1])
         if gs <= 0 or w.shape[-1] % gs:
             continue
-        q = quantize_weight(w, config, name=name)
+        # method "hqq" minimises the importance-weighted error itself; the others only get measured by it
+        q = quantize_weight(w, config, name=name, importance=importance if config.method == "hqq" else None)
         options.append(Option(config, stored_bits(q, config), weight_error(w, dequantize(q, torch.float32), importance)))
     if not options:
         raise ValueError(f"{name}: none of the candidate configs fits its shape {list(w.shape)}")
