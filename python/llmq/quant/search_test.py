@@ -127,7 +127,7 @@ def test_recipe_method_round_trips_and_bad_methods_are_refused():
     assert QuantConfig.from_dict(cfg.to_dict()) == cfg and cfg.describe() == "int4 g32 sym search"
     with pytest.raises(ValueError, match="method='best' unknown"):
         QuantConfig(method="best")
-    with pytest.raises(ValueError, match="format 'int' only"):
+    with pytest.raises(ValueError, match="does not apply to format 'mxfp4'; it takes 'minmax'"):
         QuantConfig(format="mxfp4", bits=4, group_size=32, method="search")
 
 
