@@ -16,7 +16,7 @@ Sources:
   Unigram, merges recovered from the vocabulary where the file has none). transformers' own
   ``AutoTokenizer.from_pretrained(gguf_file=...)`` builds the same tokenizer but re-reads the
   file with its own reader; on the real Gemma 3 270M file (262,144 tokens) that path took minutes
-  on the loaded 2-core machine, this one seconds (docs/models.md has the numbers).
+  on the loaded 2-core machine, this one under 30 s (docs/models.md has the numbers).
 
 ``write_tokenizer_files`` saves what ``AutoTokenizer.from_pretrained(folder)`` and
 ``mlx_lm.load`` read, so an MLX folder written from a GGUF input has a working tokenizer.
@@ -189,13 +189,24 @@ def _from_gguf(path: str):
     from llmq.checkpoint import read_gguf_metadata
 
     arch, fields, config = gguf_tokenizer_fields(read_gguf_metadata(path), path)
-    from transformers import PreTrainedTokenizerFast
-    from transformers.integrations.gguf import convert_gguf_tokenizer
+    from transformers.integrations.gguf import gguf_tokenizer_mapping as gguf_tokenizers
 
     if fields.get("tokenizer_type") == "gemma4":
         config["add_bos_token"] = False  # as transformers: Gemma 4's chat template writes <bos> itself
+    # transformers' convert_gguf_tokenizer, keeping the tokenizer object it builds: wrapping its
+    # backend in a new PreTrainedTokenizerFast deep-copies it (12 s for a 262k vocabulary).
     try:
-        backend, extra = convert_gguf_tokenizer(arch, fields)
+        tokenizer = gguf_tokenizers.select_tokenizer_builder(arch, fields.get("tokenizer_type"))(fields)
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
-    return PreTrainedTokenizerFast(tokenizer_object=backend, **config, **extra)
+    tokenizer = gguf_tokenizers.add_gguf_special_tokens(tokenizer, fields)
+    tokenizer = gguf_tokenizers.set_split_regex(tokenizer, fields)
+    for name in _GGUF_SPECIAL_IDS:
+        if name in config:
+            setattr(tokenizer, name, config[name])
+    if "chat_template" in config:
+        tokenizer.chat_template = config["chat_template"]
+    tokenizer.add_bos_token = bool(config.get("add_bos_token", False))
+    tokenizer.add_eos_token = bool(config.get("add_eos_token", False))
+    tokenizer.init_kwargs.update(config)
+    return tokenizer

@@ -27,14 +27,19 @@ PAD, EOS, BOS, UNK = 0, 1, 2, 3
 USER_DEFINED = ["<start_of_turn>", "<end_of_turn>"]
 
 
-@pytest.fixture(scope="module")
-def files(tmp_path_factory):
+# Gemma's special-token spellings, and SentencePiece's defaults (which GemmaTokenizer does not assume).
+SPELLINGS = {"gemma": ("<pad>", "<eos>", "<bos>", "<unk>"), "spm": ("<pad>", "</s>", "<s>", "<unk>")}
+
+
+@pytest.fixture(scope="module", params=sorted(SPELLINGS))
+def files(tmp_path_factory, request):
     folder = tmp_path_factory.mktemp("spm")
+    pad_piece, eos_piece, bos_piece, unk_piece = SPELLINGS[request.param]
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(CORPUS), model_prefix=str(folder / "tokenizer"), vocab_size=400, model_type="bpe",
         byte_fallback=True, add_dummy_prefix=False, normalization_rule_name="identity", remove_extra_whitespaces=False,
         split_digits=True, allow_whitespace_only_pieces=True, pad_id=PAD, eos_id=EOS, bos_id=BOS, unk_id=UNK,
-        pad_piece="<pad>", eos_piece="<eos>", bos_piece="<bos>", unk_piece="<unk>",
+        pad_piece=pad_piece, eos_piece=eos_piece, bos_piece=bos_piece, unk_piece=unk_piece,
         user_defined_symbols=USER_DEFINED, minloglevel=2)
     processor = spm.SentencePieceProcessor(model_file=str(folder / "tokenizer.model"))
     tokens, scores, types = zip(*gguf.vocab.SentencePieceVocab(folder).all_tokens())
@@ -58,6 +63,8 @@ def files(tmp_path_factory):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    old = os.stat(path).st_mtime - 60
+    os.utime(path, (old, old))  # older than gguf_header.RACY_NS: its header may be cached
     return path, processor
 
 
@@ -68,6 +75,7 @@ def test_gguf_encode_decode_equal_sentencepiece_and_transformers(files):
     tok = tk.load_tokenizer(str(path))
     reference = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     assert tok.bos_token_id == BOS and tok.eos_token_id == EOS and len(tok) == len(reference)
+    assert (tok.hf.bos_token, tok.hf.eos_token) == (processor.id_to_piece(BOS), processor.id_to_piece(EOS))
     for text in TEXTS:
         ids = tok.encode(text)
         assert ids == [BOS] + processor.encode(text), text
