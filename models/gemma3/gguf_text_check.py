@@ -3,11 +3,11 @@
 bazel run //models/gemma3:gguf_text_check -- --checkpoint=model.gguf [--bundle=DIR] [--prompt=TEXT]
     [--max_new_tokens=24] [--write_hf=DIR]
 
-The prompt becomes ids through the GGUF's own tokenizer (tokenizer.ggml.*, read by transformers'
-GGUF support); the reference is the GGUF model with its quantized weights dequantized exactly.
---bundle: the same prompt through a quantize_and_save bundle, with the logits cosine over the
-prompt and the number of greedy tokens that agree. --write_hf: the dequantized model as an HF
-folder (config.json + float32 safetensors), e.g. to quantize it from float with a recipe
+The prompt becomes ids through the GGUF's own tokenizer (models.common.tokenizer: tokenizer.ggml.*
+converted by transformers' GGUF builders); the reference is the GGUF model with its quantized weights
+dequantized exactly. --bundle: the same prompt through a quantize_and_save bundle, compared by
+models.common.text_check.text_agreement (greedy texts, token agreement, prompt logits cosine). --write_hf: the dequantized model as an HF
+folder (config.json + float32 safetensors + the tokenizer files), e.g. to quantize it from float with a recipe
 (quantize_and_save keeps weights that arrive GGUF-quantized as they are).
 Not a test: it reads a real checkpoint (see docs/models.md).
 """
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import torch
 import argparse
@@ -23,7 +24,8 @@ import argparse
 from llmq.checkpoint import load_bundle
 from llmq.quant import GroupQuantizedWeight
 from llmq.quant.formats import dequantize_canonical
-from models.common.generation import generate
+from models.common.text_check import text_agreement, text_rows
+from models.common.tokenizer import load_tokenizer, write_tokenizer_files
 from models.gemma3.config import ModelConfig
 from models.gemma3.pipeline import ARCHITECTURE
 from models.pipeline import gguf_input
@@ -58,30 +60,24 @@ def _main(FLAGS) -> int:
     tensors = {n: dequantize_canonical(v) if isinstance(v, GroupQuantizedWeight) else v
                for n, v in gguf_input.model_tensors(ARCHITECTURE, path, config)}
     rows = []
+    start = time.perf_counter()
+    tokenizer = load_tokenizer(path)
+    rows.append(("tokenizer", f"{len(tokenizer)} tokens, built in {time.perf_counter() - start:.1f} s"))
     if FLAGS.write_hf:
-        rows.append(("dequantized HF folder", write_hf_checkpoint(_user_path(FLAGS.write_hf), hf_config, tensors,
-                                                                  max_shard_bytes=2 << 30)))
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path))
-    prompt = torch.tensor([tokenizer(FLAGS.prompt).input_ids])
+        folder = _user_path(FLAGS.write_hf)
+        rows.append(("dequantized HF folder", write_hf_checkpoint(folder, hf_config, tensors, max_shard_bytes=2 << 30)))
+        write_tokenizer_files(path, folder)
     reference = build_quantized_model(ARCHITECTURE.build_model(config, device="meta"), tensors).eval()
-    n = FLAGS.max_new_tokens
-    with torch.no_grad():
-        ref_ids = generate(reference, prompt, n, eos_token_id=config.eos_token_id)[0, prompt.shape[1]:]
-    rows += [("prompt ids", " ".join(map(str, prompt[0].tolist()))),
-             ("GGUF model (dequantized)", repr(tokenizer.decode(ref_ids)))]
     if FLAGS.bundle:
         quantized = build_quantized_model(ARCHITECTURE.build_model(config, device="meta"),
                                           load_bundle(_user_path(FLAGS.bundle))).eval()
-        with torch.no_grad():
-            q_ids = generate(quantized, prompt, n, eos_token_id=config.eos_token_id)[0, prompt.shape[1]:]
-            ref_logits, q_logits = reference(prompt).double(), quantized(prompt).double()
-        cosine = torch.nn.functional.cosine_similarity(ref_logits.flatten(), q_logits.flatten(), dim=0).item()
-        agree = next((i for i, (a, b) in enumerate(zip(ref_ids.tolist(), q_ids.tolist())) if a != b), len(q_ids))
-        rows += [("bundle", repr(tokenizer.decode(q_ids))),
-                 ("prompt logits cosine", f"{cosine:.5f}"),
-                 ("greedy tokens equal", f"first {agree} of {len(ref_ids)}")]
+    else:
+        quantized = reference
+    start = time.perf_counter()
+    result = text_agreement(tokenizer, reference, quantized, prompt=FLAGS.prompt, new_tokens=FLAGS.max_new_tokens)
+    rows += [("prompt ids", " ".join(map(str, result["prompt_ids"])))]
+    rows += [r for r in text_rows(result) if FLAGS.bundle or r[0] in ("prompt", "greedy text (unquantized)")]
+    rows.append(("text check time", f"{time.perf_counter() - start:.1f} s"))
     print(format_table(rows))
     return 0
 

@@ -1,0 +1,212 @@
+"""A checkpoint's tokenizer: text -> ids -> text, from an HF folder or a GGUF file, built once per run.
+
+    tok = load_tokenizer(source)            # None-safe check first: has_tokenizer(source)
+    ids = tok.encode("The capital of France is")   # with BOS when the tokenizer adds one
+    text = tok.decode(ids)                         # special tokens dropped
+    write_tokenizer_files(source, folder)          # tokenizer.json + tokenizer_config.json
+
+Sources:
+
+* an HF checkpoint folder with ``tokenizer.json`` or ``tokenizer.model``: transformers'
+  ``AutoTokenizer`` reads it;
+* a llama.cpp ``.gguf`` file with ``tokenizer.ggml.*`` metadata: the metadata is read by llmq's
+  GGUF header parser (parsed once per process; the vocabulary arrays are decoded once, on first
+  use) and converted by transformers' own GGUF tokenizer builders
+  (``transformers.integrations.gguf.convert_gguf_tokenizer``: SentencePiece / byte-level BPE /
+  Unigram, merges recovered from the vocabulary where the file has none). transformers' own
+  ``AutoTokenizer.from_pretrained(gguf_file=...)`` builds the same tokenizer but re-reads the
+  file with its own reader; on the real Gemma 3 270M file (262,144 tokens) that path took minutes
+  on the loaded 2-core machine, this one under 30 s (docs/models.md has the numbers).
+
+``write_tokenizer_files`` saves what ``AutoTokenizer.from_pretrained(folder)`` and
+``mlx_lm.load`` read, so an MLX folder written from a GGUF input has a working tokenizer.
+A built tokenizer is kept per source (keyed by the file's identity), so verification, the
+MLX writer and the text check share one build.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+# What write_tokenizer_files leaves in the folder (transformers may add special_tokens_map.json or
+# chat_template.jinja next to these).
+WRITTEN_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+# GGUF metadata key -> transformers' name for it (the keys transformers' GGUF tokenizer reader uses).
+_GGUF_TOKENIZER_KEYS = {
+    "tokenizer.ggml.model": "tokenizer_type",
+    "tokenizer.ggml.pre": "pre_tokenizer_type",
+    "tokenizer.ggml.tokens": "tokens",
+    "tokenizer.ggml.scores": "scores",
+    "tokenizer.ggml.token_type": "token_type",
+    "tokenizer.ggml.merges": "merges",
+    "tokenizer.ggml.precompiled_charsmap": "precompiled_charsmap",
+    "tokenizer.ggml.bos_token_id": "bos_token_id",
+    "tokenizer.ggml.eos_token_id": "eos_token_id",
+    "tokenizer.ggml.unknown_token_id": "unk_token_id",
+    "tokenizer.ggml.padding_token_id": "pad_token_id",
+    "tokenizer.ggml.add_space_prefix": "add_prefix_space",
+}
+_GGUF_CONFIG_KEYS = {
+    "tokenizer.chat_template": "chat_template",
+    "tokenizer.ggml.add_bos_token": "add_bos_token",
+    "tokenizer.ggml.add_eos_token": "add_eos_token",
+}
+_GGUF_SPECIAL_IDS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "unk_token": "unknown_token_id",
+                     "pad_token": "padding_token_id"}
+
+
+def _is_gguf(source: str) -> bool:
+    return source.lower().endswith(".gguf") and os.path.isfile(source)
+
+
+def has_tokenizer(source: Optional[str]) -> bool:
+    """Whether `source` (an HF folder or a .gguf file) carries a tokenizer this module can load."""
+    if not source:
+        return False
+    if os.path.isdir(source):
+        return any(os.path.isfile(os.path.join(source, f)) for f in HF_TOKENIZER_FILES)
+    if _is_gguf(source):
+        from llmq.checkpoint import read_gguf_metadata
+
+        return "tokenizer.ggml.tokens" in read_gguf_metadata(source)
+    return False
+
+
+@dataclasses.dataclass
+class Tokenizer:
+    """encode / decode over a transformers tokenizer (``.hf``), with where it came from."""
+
+    hf: Any  # transformers.PreTrainedTokenizerBase
+    source: str
+
+    def encode(self, text: str) -> List[int]:
+        """Token ids of `text`, with the BOS/EOS the tokenizer's config adds (Gemma: BOS)."""
+        return list(self.hf(text).input_ids)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of `ids`, special tokens (BOS, EOS, padding) dropped."""
+        return self.hf.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    @property
+    def eos_token_id(self) -> Optional[int]:
+        return self.hf.eos_token_id
+
+    @property
+    def bos_token_id(self) -> Optional[int]:
+        return self.hf.bos_token_id
+
+    def __len__(self) -> int:
+        return len(self.hf)
+
+    def save(self, folder: str) -> List[str]:
+        """Write tokenizer.json + tokenizer_config.json (and what transformers adds) into `folder`."""
+        os.makedirs(folder, exist_ok=True)
+        return [os.path.basename(p) for p in self.hf.save_pretrained(folder)]
+
+
+_cache: Dict[Tuple, Tokenizer] = {}
+_cache_lock = threading.Lock()
+
+
+def _identity(source: str) -> Tuple:
+    if os.path.isdir(source):
+        stats = []
+        for name in HF_TOKENIZER_FILES + ("tokenizer_config.json", "special_tokens_map.json"):
+            path = os.path.join(source, name)
+            if os.path.isfile(path):
+                st = os.stat(path)
+                stats.append((name, st.st_size, st.st_mtime_ns))
+        return (os.path.realpath(source), tuple(stats))
+    st = os.stat(source)
+    return (os.path.realpath(source), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def load_tokenizer(source: str) -> Tokenizer:
+    """The tokenizer of an HF folder or a GGUF file (built once per process per unchanged source).
+
+    Raises ValueError (naming the source and what was expected) when it has none."""
+    source = os.fspath(source)
+    if not (os.path.isdir(source) or _is_gguf(source)):
+        raise ValueError(f"{source}: expected an HF checkpoint folder or a .gguf file to read a tokenizer from")
+    key = _identity(source)
+    with _cache_lock:
+        if key in _cache:
+            return _cache[key]
+    if os.path.isdir(source):
+        hf = _from_hf_folder(source)
+    else:
+        hf = _from_gguf(source)
+    tokenizer = Tokenizer(hf, source)
+    with _cache_lock:
+        _cache[key] = tokenizer
+    return tokenizer
+
+
+def write_tokenizer_files(source: str, folder: str) -> List[str]:
+    """Write `source`'s tokenizer into `folder` as tokenizer.json + tokenizer_config.json, the files
+    transformers' AutoTokenizer and mlx_lm.load read. Returns the file names written."""
+    return load_tokenizer(source).save(folder)
+
+
+def _from_hf_folder(folder: str):
+    if not any(os.path.isfile(os.path.join(folder, f)) for f in HF_TOKENIZER_FILES):
+        raise ValueError(f"{folder}: no tokenizer (expected {' or '.join(HF_TOKENIZER_FILES)})")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def gguf_tokenizer_fields(metadata: Dict[str, Any], path: str = "GGUF") -> Tuple[str, Dict, Dict]:
+    """(architecture, tokenizer fields, tokenizer_config kwargs) from GGUF metadata, in the shape
+    transformers' GGUF tokenizer builders take (``get_gguf_tokenizer``'s result)."""
+    if "tokenizer.ggml.tokens" not in metadata:
+        raise ValueError(f"{path}: no tokenizer.ggml.tokens in the GGUF metadata; the file carries no tokenizer")
+    fields: Dict[str, Any] = {}
+    for key, name in _GGUF_TOKENIZER_KEYS.items():
+        if key in metadata:
+            value = metadata[key]
+            fields[name] = value if isinstance(value, (str, int, float, bool)) else list(value)
+    config = {name: metadata[key] for key, name in _GGUF_CONFIG_KEYS.items() if key in metadata}
+    if fields.get("tokenizer_type") == "llama":
+        config.setdefault("add_bos_token", True)  # llama.cpp's default for SentencePiece vocabularies
+    tokens = fields["tokens"]
+    for name, key in _GGUF_SPECIAL_IDS.items():
+        token_id = metadata.get(f"tokenizer.ggml.{key}")
+        if token_id is not None:
+            if not 0 <= int(token_id) < len(tokens):
+                raise ValueError(f"{path}: tokenizer.ggml.{key} = {token_id} is outside the vocabulary "
+                                 f"(0..{len(tokens) - 1})")
+            config[name] = tokens[int(token_id)]
+    return metadata.get("general.architecture", ""), fields, config
+
+
+def _from_gguf(path: str):
+    from llmq.checkpoint import read_gguf_metadata
+
+    arch, fields, config = gguf_tokenizer_fields(read_gguf_metadata(path), path)
+    from transformers.integrations.gguf import gguf_tokenizer_mapping as gguf_tokenizers
+
+    if fields.get("tokenizer_type") == "gemma4":
+        config["add_bos_token"] = False  # as transformers: Gemma 4's chat template writes <bos> itself
+    # transformers' convert_gguf_tokenizer, keeping the tokenizer object it builds: wrapping its
+    # backend in a new PreTrainedTokenizerFast deep-copies it (12 s for a 262k vocabulary).
+    try:
+        tokenizer = gguf_tokenizers.select_tokenizer_builder(arch, fields.get("tokenizer_type"))(fields)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+    tokenizer = gguf_tokenizers.add_gguf_special_tokens(tokenizer, fields)
+    tokenizer = gguf_tokenizers.set_split_regex(tokenizer, fields)
+    for name in _GGUF_SPECIAL_IDS:
+        if name in config:
+            setattr(tokenizer, name, config[name])
+    if "chat_template" in config:
+        tokenizer.chat_template = config["chat_template"]
+    tokenizer.add_bos_token = bool(config.get("add_bos_token", False))
+    tokenizer.add_eos_token = bool(config.get("add_eos_token", False))
+    tokenizer.init_kwargs.update(config)
+    return tokenizer
