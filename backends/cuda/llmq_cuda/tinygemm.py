@@ -35,6 +35,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
+from llmq.quant import _native
 from llmq.quant.formats import GroupQuantizedWeight, pack_bits, unpack_bits
 
 TINYGEMM_GROUP_SIZES = (32, 64, 128, 256)
@@ -116,15 +117,19 @@ def tinygemm_scale_and_zero(
     if w.group_size % g:
         raise ValueError(f"cannot regroup group_size={w.group_size} into {g}")
     rep = w.group_size // g
-    scale = w.scale.to(torch.float64).repeat_interleave(rep, dim=-1)
-    zero = w.bias.to(torch.float64).repeat_interleave(rep, dim=-1) + ZERO_POINT * scale
-    sz = torch.stack([scale.to(dtype), zero.to(dtype)], dim=-1)  # [..., N, K/g, 2]
-    sz = sz.transpose(-3, -2)  # [..., K/g, N, 2]
-    n = w.shape[-2]
-    pad = padded_out_features(n) - n
-    if pad:
-        sz = torch.nn.functional.pad(sz, (0, 0, 0, pad))
-    return sz.contiguous()
+    *lead, n, _ = w.shape
+    n8 = padded_out_features(n)
+    scale = w.scale if rep == 1 else w.scale.repeat_interleave(rep, dim=-1)  # float32 [..., N, K/g']
+    bias = w.bias if rep == 1 else w.bias.repeat_interleave(rep, dim=-1)
+    make = torch.zeros if n8 != n else torch.empty  # padding rows hold scale = zero = 0
+    sz = make(*lead, scale.shape[-1], n8, 2, dtype=dtype)  # [..., K/g', ceil8(N), 2]
+    # The float32 scale rounds once to dtype; zero is formed in float64 (8*scale exact, one
+    # rounding of the sum) and rounded to dtype. Both are written straight into the
+    # transposed layout: no stacked or padded temporaries.
+    sz[..., :n, 0].copy_(scale.transpose(-1, -2))
+    zero = torch.add(bias.to(torch.float64), scale.to(torch.float64), alpha=ZERO_POINT).to(dtype)
+    sz[..., :n, 1].copy_(zero.transpose(-1, -2))  # (a strided float64 source is 10x slower)
+    return sz
 
 
 def pack_tinygemm_int4(
@@ -140,7 +145,7 @@ def pack_tinygemm_int4(
     """
     group = _check(w, inner_k_tiles, name)
     return TinygemmInt4Weight(
-        qdata=tile_pack_canonical_bytes(w.qdata, inner_k_tiles),
+        qdata=tile_pack(w.qdata, inner_k_tiles),
         scale_and_zero=tinygemm_scale_and_zero(w, group_size=group, dtype=scale_dtype),
         group_size=group,
         inner_k_tiles=inner_k_tiles,
@@ -150,7 +155,16 @@ def pack_tinygemm_int4(
 
 def tile_pack_int4(q: torch.Tensor, inner_k_tiles: int) -> torch.Tensor:
     """q uint8 [..., N, K] (values 0..15) -> int32 [..., ceil(N/8), K/(16T), 32, T/2]."""
-    return tile_pack_canonical_bytes(pack_bits(q, 4), inner_k_tiles)
+    return tile_pack(pack_bits(q, 4), inner_k_tiles)
+
+
+def tile_pack(qdata: torch.Tensor, inner_k_tiles: int) -> torch.Tensor:
+    """Canonical 4-bit bytes [..., N, K/2] -> tinygemm tiles: the compiled one-pass kernel
+    (llmq's cpp/quant int4_tiles, bit-identical, tested) when it is loaded, otherwise the
+    torch reference tile_pack_canonical_bytes."""
+    if _native.int4_mma_tiles_available() and qdata.device.type == "cpu" and sys.byteorder == "little":
+        return _native.pack_int4_mma_tiles(qdata, inner_k_tiles)
+    return tile_pack_canonical_bytes(qdata, inner_k_tiles)
 
 
 def _i32(x: int) -> int:

@@ -135,6 +135,31 @@ def search_qparams(g: torch.Tensor, group_size: int, bits: int, symmetric: bool,
     return scale, zero
 
 
+def int4_mma_tiles_available() -> bool:
+    """Whether the loaded kernel has pack_int4_mma_tiles (an older .so picked by LLMQ_QUANT_KERNEL may not)."""
+    m = _load()
+    return m is not None and hasattr(m, "pack_int4_mma_tiles")
+
+
+def pack_int4_mma_tiles(qdata: torch.Tensor, inner_k_tiles: int, *, threads: Optional[int] = None) -> torch.Tensor:
+    """Canonical 4-bit bytes uint8 [..., N, K/2] -> int32 m16n8k16 B-fragment tiles
+    [..., ceil(N/8), K/(16T), 32, T/2] (cpp/quant/int4_tiles.h); rows past N are zero. The
+    caller has checked T and K (tinygemm.py, whose torch path this equals bit for bit)."""
+    m = _load()
+    if m is None or not hasattr(m, "pack_int4_mma_tiles"):
+        raise RuntimeError(f"the quantization kernel has no pack_int4_mma_tiles: {_error or 'an older build'}")
+    q = qdata.detach().contiguous()
+    *lead, n, kb = q.shape
+    batch = 1
+    for d in lead:
+        batch *= d
+    t = inner_k_tiles
+    out = torch.empty(*lead, -(-n // 8), 2 * kb // (16 * t), 32, t // 2, dtype=torch.int32)
+    m.pack_int4_mma_tiles(q.data_ptr(), batch, n, kb, t, out.data_ptr(),
+                          (_threads or torch.get_num_threads()) if threads is None else threads)
+    return out
+
+
 def count_nonfinite(t: torch.Tensor) -> Optional[Tuple[int, int]]:
     """(NaN count, Inf count) of a contiguous CPU float32/bfloat16/float16 tensor from its bit
     patterns on the calling thread, or None when the kernel is not loaded or the tensor is
