@@ -86,9 +86,9 @@ def test_compiled_tile_pack_equals_the_torch_reference(shape, inner_k_tiles):
     g = torch.Generator().manual_seed(sum(shape))
     qdata = torch.randint(0, 256, (*shape[:-1], shape[-1] // 2), dtype=torch.uint8, generator=g)
     ref = tile_pack_canonical_bytes(qdata, inner_k_tiles)
-    for threads in (1, 3):
-        got = _native.pack_int4_mma_tiles(qdata, inner_k_tiles, threads=threads)
-        assert got.dtype == ref.dtype and got.shape == ref.shape and torch.equal(got, ref)
+    for threads, simd in ((1, True), (3, True), (2, False)):  # the SSSE3 path (where the CPU has it) and the portable one
+        got = _native.pack_int4_mma_tiles(qdata, inner_k_tiles, threads=threads, simd=simd)
+        assert got.dtype == ref.dtype and got.shape == ref.shape and torch.equal(got, ref), (threads, simd)
     assert torch.equal(tile_pack(qdata, inner_k_tiles), ref)
 
 

@@ -177,10 +177,10 @@ std::string run_abs_max(uintptr_t w, const std::string& input, int64_t rows, int
 }
 
 void run_pack_int4_mma_tiles(uintptr_t src, int64_t batch, int64_t n, int64_t kbytes, int inner_k_tiles,
-                             uintptr_t dst, int threads) {
+                             uintptr_t dst, int threads, bool simd) {
   py::gil_scoped_release release;
   pack_int4_mma_tiles(reinterpret_cast<const uint8_t*>(src), batch, n, kbytes, inner_k_tiles,
-                      reinterpret_cast<int32_t*>(dst), threads);
+                      reinterpret_cast<int32_t*>(dst), threads, simd);
 }
 
 }  // namespace
@@ -215,6 +215,6 @@ PYBIND11_MODULE(_quant_kernel, m) {
         py::arg("rows_per_group"), py::arg("amax"), py::arg("threads") = 0, py::arg("isa") = "auto",
         "max |w| per group of rows_per_group rows into float32 amax; returns 'ok' or 'not_finite'.");
   m.def("pack_int4_mma_tiles", &run_pack_int4_mma_tiles, py::arg("src"), py::arg("batch"), py::arg("n"),
-        py::arg("kbytes"), py::arg("inner_k_tiles"), py::arg("dst"), py::arg("threads") = 0,
+        py::arg("kbytes"), py::arg("inner_k_tiles"), py::arg("dst"), py::arg("threads") = 0, py::arg("simd") = true,
         "Canonical 4-bit rows -> m16n8k16 B-fragment int32 tiles (int4_tiles.h).");
 }

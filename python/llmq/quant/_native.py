@@ -142,12 +142,13 @@ def int4_mma_tiles_available() -> bool:
 
 
 def pack_int4_mma_tiles(qdata: torch.Tensor, inner_k_tiles: int, *, threads: Optional[int] = None,
-                        out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                        out: Optional[torch.Tensor] = None, simd: bool = True) -> torch.Tensor:
     """Canonical 4-bit bytes uint8 [..., N, K/2] -> int32 m16n8k16 B-fragment tiles
     [..., ceil(N/8), K/(16T), 32, T/2] (cpp/quant/int4_tiles.h); rows past N are zero. The
     caller has checked T and K (tinygemm.py, whose torch path this equals bit for bit).
     out: optional contiguous int32 CPU tensor of that shape to write into (e.g. huge-page
-    backed memory: fresh 4 KiB pages cost more to fault in than the packing itself)."""
+    backed memory: fresh 4 KiB pages cost more to fault in than the packing itself).
+    simd=False forces the portable path (for tests: both give the same bytes)."""
     m = _load()
     if m is None or not hasattr(m, "pack_int4_mma_tiles"):
         raise RuntimeError(f"the quantization kernel has no pack_int4_mma_tiles: {_error or 'an older build'}")
@@ -165,7 +166,7 @@ def pack_int4_mma_tiles(qdata: torch.Tensor, inner_k_tiles: int, *, threads: Opt
         raise ValueError(f"out must be a contiguous CPU int32 tensor {list(shape)}, got {out.dtype} "
                          f"{list(out.shape)} on {out.device}")
     m.pack_int4_mma_tiles(q.data_ptr(), batch, n, kb, t, out.data_ptr(),
-                          (_threads or torch.get_num_threads()) if threads is None else threads)
+                          (_threads or torch.get_num_threads()) if threads is None else threads, bool(simd))
     return out
 
 
