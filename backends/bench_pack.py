@@ -84,6 +84,12 @@ def main(argv=None) -> int:
     def cuda_tinygemm():
         return [llmq_cuda.pack_tinygemm_int4(w, inner_k_tiles=8) for w in weights.values()]
 
+    def cuda_tinygemm_torch_tiles():  # the packer before the compiled kernel: torch word arithmetic
+        from llmq_cuda.tinygemm import tile_pack_canonical_bytes, tinygemm_scale_and_zero
+
+        return [(tile_pack_canonical_bytes(w.qdata, 8), tinygemm_scale_and_zero(w, group_size=w.group_size))
+                for w in weights.values()]
+
     import tempfile
 
     from safetensors.torch import save_file
@@ -102,6 +108,7 @@ def main(argv=None) -> int:
         ("mlx affine (copied into fresh huge-page buffers)", mlx_materialized),
         ("mlx affine -> mx.array", mlx_arrays),
         ("cuda tinygemm int4 (T=8, bf16 s/z)", cuda_tinygemm),
+        ("same, torch reference tile packer (before)", cuda_tinygemm_torch_tiles),
     ]
     print(
         f"Qwen3.5-MoE layer experts: E={e}, gate/up [{f}, {d}], down [{d}, {f}], int4 g{args.group}; "

@@ -153,6 +153,7 @@ def phase_read(ckpt: str) -> dict:
     import torch
     from safetensors import safe_open
     from llmq.checkpoint import iter_checkpoint
+    from llmq.checkpoint import safetensors_io as sio
 
     warm(files_of(ckpt))
     base = rss_bytes()
@@ -163,6 +164,14 @@ def phase_read(ckpt: str) -> dict:
         for _, t in iter_checkpoint(ckpt, nonfinite="allow"):
             n += t.numel() * t.element_size()
         out.setdefault("iter_checkpoint_s", []).append(time.perf_counter() - t0)
+        parallel, sio._PARALLEL_READ_MAX_THREADS = sio._PARALLEL_READ_MAX_THREADS, 1  # before: one preadv
+        try:
+            t0 = time.perf_counter()
+            for _, t in iter_checkpoint(ckpt, nonfinite="allow"):
+                pass
+            out.setdefault("iter_checkpoint_one_range_s", []).append(time.perf_counter() - t0)
+        finally:
+            sio._PARALLEL_READ_MAX_THREADS = parallel
         t0 = time.perf_counter()
         n2 = 0
         for path in files_of(ckpt):
@@ -371,7 +380,10 @@ def main(argv=None) -> int:
                       f"with NaN/Inf check {chk:.2f} GB/s | peak RSS {r['peak_rss'] / 1e6:.0f} MB "
                       f"(baseline {r['baseline_rss'] / 1e6:.0f} MB)", flush=True)
                 rows.append(("read", size, r))
+                one = gb / r["iter_checkpoint_one_range_s"]
                 table.append((size, gb, "`iter_checkpoint` read (no write)", ours, ours, r, info["bytes"]))
+                table.append((size, gb, "same, one `preadv` per tensor (the reader before this change)", one, one, r,
+                              info["bytes"]))
                 table.append((size, gb, "`safe_open` get_tensor + clone (reference)", ref_c, ref_c, r, info["bytes"]))
             if "stream" not in skip:
                 variants = [(True, True), (False, True)] + ([(True, False)] if a.no_fsync_row else [])

@@ -445,13 +445,17 @@ def test_read_ahead_delivers_errors_in_order_and_stops_its_thread(tmp_path):
 
 
 @pytest.mark.parametrize("threads", [1, 3])
-def test_large_tensors_read_in_parallel_ranges_exactly(tmp_path, threads):
+def test_large_tensors_read_in_parallel_ranges_exactly(tmp_path, threads, monkeypatch):
     """A 20 MiB tensor is read as one byte range per torch thread; the bytes equal safe_open's, and a
     file that shrinks after opening fails in a later range with the one-line truncation error."""
     from safetensors import safe_open
 
+    from llmq.checkpoint import safetensors_io
     from llmq.checkpoint.safetensors_io import SafetensorsFile
 
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))  # an idle machine: the reads split
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    assert safetensors_io._idle_cpus() == 8
     g = torch.Generator().manual_seed(3)
     sd = {"big": torch.randint(-2 ** 31, 2 ** 31 - 1, (5 << 20,), dtype=torch.int32, generator=g),
           "small": torch.arange(7, dtype=torch.int16)}
