@@ -74,6 +74,24 @@ def test_unpack_inverts_pack(inner_k_tiles):
         assert torch.equal(packed[e], tile_pack_int4(q[e], inner_k_tiles))
 
 
+@pytest.mark.parametrize("shape,inner_k_tiles", [((21, 256), 8), ((3, 13, 128), 4), ((2, 2, 8, 64), 2),
+                                                 ((40, 4096), 8), ((1, 0, 64), 2)])
+def test_compiled_tile_pack_equals_the_torch_reference(shape, inner_k_tiles):
+    """The one-pass C++ packer (cpp/quant int4_tiles, a Bazel data dependency: missing fails) gives
+    the bytes of the torch word-arithmetic reference, padding rows and leading dims included."""
+    from llmq.quant import _native
+    from llmq_cuda.tinygemm import tile_pack, tile_pack_canonical_bytes
+
+    assert _native.int4_mma_tiles_available(), _native.native_kernel_error()
+    g = torch.Generator().manual_seed(sum(shape))
+    qdata = torch.randint(0, 256, (*shape[:-1], shape[-1] // 2), dtype=torch.uint8, generator=g)
+    ref = tile_pack_canonical_bytes(qdata, inner_k_tiles)
+    for threads, simd in ((1, True), (3, True), (2, False)):  # the SSSE3 path (where the CPU has it) and the portable one
+        got = _native.pack_int4_mma_tiles(qdata, inner_k_tiles, threads=threads, simd=simd)
+        assert got.dtype == ref.dtype and got.shape == ref.shape and torch.equal(got, ref), (threads, simd)
+    assert torch.equal(tile_pack(qdata, inner_k_tiles), ref)
+
+
 def test_scale_and_zero_conversion_and_its_bf16_loss():
     w = random_canonical((24, 256), 64, seed=3)
     exact = dequantize_canonical(w).double()

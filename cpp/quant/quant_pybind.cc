@@ -10,6 +10,7 @@
 
 #include "fp_quant.h"
 #include "hqq_quant.h"
+#include "int4_tiles.h"
 #include "quant_kernel.h"
 #include "search_quant.h"
 
@@ -175,6 +176,13 @@ std::string run_abs_max(uintptr_t w, const std::string& input, int64_t rows, int
   return run_fp([&] { return abs_max(a, rows_per_group, reinterpret_cast<float*>(amax)); });
 }
 
+void run_pack_int4_mma_tiles(uintptr_t src, int64_t batch, int64_t n, int64_t kbytes, int inner_k_tiles,
+                             uintptr_t dst, int threads, bool simd) {
+  py::gil_scoped_release release;
+  pack_int4_mma_tiles(reinterpret_cast<const uint8_t*>(src), batch, n, kbytes, inner_k_tiles,
+                      reinterpret_cast<int32_t*>(dst), threads, simd);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_quant_kernel, m) {
@@ -206,4 +214,7 @@ PYBIND11_MODULE(_quant_kernel, m) {
   m.def("abs_max", &run_abs_max, py::arg("w"), py::arg("input"), py::arg("rows"), py::arg("k"),
         py::arg("rows_per_group"), py::arg("amax"), py::arg("threads") = 0, py::arg("isa") = "auto",
         "max |w| per group of rows_per_group rows into float32 amax; returns 'ok' or 'not_finite'.");
+  m.def("pack_int4_mma_tiles", &run_pack_int4_mma_tiles, py::arg("src"), py::arg("batch"), py::arg("n"),
+        py::arg("kbytes"), py::arg("inner_k_tiles"), py::arg("dst"), py::arg("threads") = 0, py::arg("simd") = true,
+        "Canonical 4-bit rows -> m16n8k16 B-fragment int32 tiles (int4_tiles.h).");
 }

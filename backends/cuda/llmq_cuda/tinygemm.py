@@ -30,11 +30,14 @@ that `_weight_int4pack_mm` takes as is.
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 from typing import Optional, Sequence, Tuple
 
 import torch
 
+from llmq.checkpoint.safetensors_io import alloc_bytes
+from llmq.quant import _native
 from llmq.quant.formats import GroupQuantizedWeight, pack_bits, unpack_bits
 
 TINYGEMM_GROUP_SIZES = (32, 64, 128, 256)
@@ -116,15 +119,28 @@ def tinygemm_scale_and_zero(
     if w.group_size % g:
         raise ValueError(f"cannot regroup group_size={w.group_size} into {g}")
     rep = w.group_size // g
-    scale = w.scale.to(torch.float64).repeat_interleave(rep, dim=-1)
-    zero = w.bias.to(torch.float64).repeat_interleave(rep, dim=-1) + ZERO_POINT * scale
-    sz = torch.stack([scale.to(dtype), zero.to(dtype)], dim=-1)  # [..., N, K/g, 2]
-    sz = sz.transpose(-3, -2)  # [..., K/g, N, 2]
-    n = w.shape[-2]
-    pad = padded_out_features(n) - n
-    if pad:
-        sz = torch.nn.functional.pad(sz, (0, 0, 0, pad))
-    return sz.contiguous()
+    *lead, n, groups = w.shape[:-1] + (w.scale.shape[-1] * rep,)
+    n8 = padded_out_features(n)
+    # Flat over the leading (expert) dims; huge-page backed output (see tile_pack).
+    sz = alloc_bytes(math.prod(lead) * groups * n8 * 2 * dtype.itemsize).view(dtype).view(-1, groups, n8, 2)
+    if n8 != n:
+        sz[:, :, n:, :].zero_()  # padding rows hold scale = zero = 0
+    scale_all = w.scale.reshape(-1, n, w.scale.shape[-1])
+    bias_all = w.bias.reshape(-1, n, w.bias.shape[-1])
+    # A block of leading rows at a time keeps the float64 temporaries cache-sized (and their
+    # memory reused) instead of whole-tensor page-faulted allocations.
+    step = max(1, (1 << 16) // max(1, n * groups))
+    for b0 in range(0, scale_all.shape[0], step):
+        scale, bias = scale_all[b0:b0 + step], bias_all[b0:b0 + step]
+        if rep > 1:  # a coarse group repeated into groups of g (exact)
+            scale, bias = scale.repeat_interleave(rep, dim=-1), bias.repeat_interleave(rep, dim=-1)
+        out = sz[b0:b0 + step, :, :n]
+        # The scale rounds once to dtype; zero is formed in float64 (8*scale exact, one rounding
+        # of the sum) and rounded to dtype, both written straight into the transposed layout.
+        out[..., 0].copy_(scale.transpose(-1, -2))
+        zero = torch.add(bias.to(torch.float64), scale.to(torch.float64), alpha=ZERO_POINT).to(dtype)
+        out[..., 1].copy_(zero.transpose(-1, -2))  # (a strided float64 source is 10x slower)
+    return sz.view(*lead, groups, n8, 2)
 
 
 def pack_tinygemm_int4(
@@ -140,7 +156,7 @@ def pack_tinygemm_int4(
     """
     group = _check(w, inner_k_tiles, name)
     return TinygemmInt4Weight(
-        qdata=tile_pack_canonical_bytes(w.qdata, inner_k_tiles),
+        qdata=tile_pack(w.qdata, inner_k_tiles),
         scale_and_zero=tinygemm_scale_and_zero(w, group_size=group, dtype=scale_dtype),
         group_size=group,
         inner_k_tiles=inner_k_tiles,
@@ -150,7 +166,19 @@ def pack_tinygemm_int4(
 
 def tile_pack_int4(q: torch.Tensor, inner_k_tiles: int) -> torch.Tensor:
     """q uint8 [..., N, K] (values 0..15) -> int32 [..., ceil(N/8), K/(16T), 32, T/2]."""
-    return tile_pack_canonical_bytes(pack_bits(q, 4), inner_k_tiles)
+    return tile_pack(pack_bits(q, 4), inner_k_tiles)
+
+
+def tile_pack(qdata: torch.Tensor, inner_k_tiles: int) -> torch.Tensor:
+    """Canonical 4-bit bytes [..., N, K/2] -> tinygemm tiles: the compiled one-pass kernel
+    (llmq's cpp/quant int4_tiles, bit-identical, tested) when it is loaded, otherwise the
+    torch reference tile_pack_canonical_bytes."""
+    if _native.int4_mma_tiles_available() and qdata.device.type == "cpu" and sys.byteorder == "little":
+        *lead, n, kb = qdata.shape
+        shape = (*lead, _ceil_div(n, N_TILE), 2 * kb // (K_TILE * inner_k_tiles), 32, inner_k_tiles // 2)
+        out = alloc_bytes(4 * math.prod(shape)).view(torch.int32).view(shape)  # huge pages when large
+        return _native.pack_int4_mma_tiles(qdata, inner_k_tiles, out=out)
+    return tile_pack_canonical_bytes(qdata, inner_k_tiles)
 
 
 def _i32(x: int) -> int:

@@ -25,8 +25,15 @@ import torch
 
 from llmq.quant.formats import GroupQuantizedWeight, dequantize_canonical, unpack_bits
 
-MLX_BITS = (2, 3, 4, 5, 6, 8)
-MLX_GROUP_SIZES = (32, 64, 128)
+from .regroup import (  # regroup imports nothing from here: no import cycle
+    MLX_BITS,
+    MLX_GROUP_SIZES,
+    fallback_params,
+    mlx_group_size_for,
+    regroup,
+    requantize_affine,
+)
+
 MLX_SCALE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FP_MODES = ("mxfp4", "mxfp8", "nvfp4")
 
@@ -113,8 +120,6 @@ def pack_mlx_affine(
     then it is re-quantized at the nearest legal (bits, group) (see
     `regroup.fallback_params`). `name` labels error messages.
     """
-    from .regroup import fallback_params, mlx_group_size_for, regroup, requantize_affine
-
     if scale_dtype not in MLX_SCALE_DTYPES:
         raise ValueError(f"{name}: scale_dtype must be one of {MLX_SCALE_DTYPES}, got {scale_dtype}")
     try:

@@ -14,7 +14,9 @@ import torch
 
 from llmq.quant.formats import GroupQuantizedWeight, pack_bits
 
-from .affine import MLX_BITS, MLX_GROUP_SIZES
+# What MLX's affine mode holds (affine.py re-exports these; this module imports nothing from it).
+MLX_BITS = (2, 3, 4, 5, 6, 8)
+MLX_GROUP_SIZES = (32, 64, 128)
 
 
 def mlx_group_size_for(group_size: int, k: int, name: str = "weight") -> int:

@@ -11,7 +11,14 @@ phase's own):
             fresh processes, this machine being shared) and peak RSS (the worst run's).
   torchao   the usual way: load every shard whole (safetensors.torch.load_file), assign
             into a model, torchao.quantize_(IntxWeightOnlyConfig(int4, PerGroup(32))).
-  gguf      iter_checkpoint over a GGUF of Q4_0/Q8_0/Q4_K/Q6_K tensors: GB/s of input.
+  fp        iter_checkpoint -> llmq.export (ModelOpt-style NVFP4 and FP8 per-channel folder,
+            streaming shards): the FP paths, same input, same repeat rule as stream.
+  gguf      iter_checkpoint over a GGUF of Q4_0/Q8_0/Q4_K/Q6_K tensors: GB/s of input, next to
+            reading the same tensor bytes raw (GGUF I/O only).
+
+The closing table puts every path side by side as GB/s of input, its ratio to the I/O-only
+stream (read -> save_bundle, no quantization) of the same run and to torchao's load +
+quantize_ of the same run, and peak RSS above the import baseline.
 
 Never run by tests. Usage (deletes its files at the end unless --keep):
   python -m llmq.checkpoint.bench_checkpoint --sizes 2,4 --workdir /tmp/llmq_bench
@@ -146,6 +153,7 @@ def phase_read(ckpt: str) -> dict:
     import torch
     from safetensors import safe_open
     from llmq.checkpoint import iter_checkpoint
+    from llmq.checkpoint import safetensors_io as sio
 
     warm(files_of(ckpt))
     base = rss_bytes()
@@ -156,6 +164,14 @@ def phase_read(ckpt: str) -> dict:
         for _, t in iter_checkpoint(ckpt, nonfinite="allow"):
             n += t.numel() * t.element_size()
         out.setdefault("iter_checkpoint_s", []).append(time.perf_counter() - t0)
+        parallel, sio._PARALLEL_READ_MAX_THREADS = sio._PARALLEL_READ_MAX_THREADS, 1  # before: one preadv
+        try:
+            t0 = time.perf_counter()
+            for _, t in iter_checkpoint(ckpt, nonfinite="allow"):
+                pass
+            out.setdefault("iter_checkpoint_one_range_s", []).append(time.perf_counter() - t0)
+        finally:
+            sio._PARALLEL_READ_MAX_THREADS = parallel
         t0 = time.perf_counter()
         n2 = 0
         for path in files_of(ckpt):
@@ -257,21 +273,46 @@ def phase_torchao(ckpt: str) -> dict:
     return {"seconds": dt, "load_seconds": t_load, "baseline_rss": base, "peak_rss": peak_rss_bytes()}
 
 
+FP_CONFIGS = {"nvfp4": {"format": "nvfp4"}, "fp8": {"format": "fp8", "granularity": "channel"}}
+
+
+def phase_fp(ckpt: str, out: str, fmt: str) -> dict:
+    """read -> FP quantization -> ModelOpt-style HF folder (llmq.export's streaming shard writer)."""
+    from llmq.checkpoint import iter_checkpoint
+    from llmq.export import write_hf_quantized_checkpoint
+
+    warm(files_of(ckpt))
+    config = FP_CONFIGS[fmt]
+    shutil.rmtree(out, ignore_errors=True)
+    base = rss_bytes()
+    t0 = time.perf_counter()
+    s = write_hf_quantized_checkpoint(out, iter_checkpoint(ckpt), lambda fqn: config, style="modelopt",
+                                      max_shard_bytes=SHARD_BYTES * 2, overwrite=True)
+    dt = time.perf_counter() - t0
+    return {"seconds": dt, "baseline_rss": base, "peak_rss": peak_rss_bytes(), "out_bytes": s.output_bytes}
+
+
 def phase_gguf(path: str) -> dict:
     from llmq.checkpoint import iter_checkpoint
+    from llmq.checkpoint.gguf_import import GGUFFile
 
     warm([path])
     base = rss_bytes()
-    best = float("inf")
-    for _ in range(2):
+    best, raw = float("inf"), float("inf")
+    for _ in range(2):  # interleaved: import, then the same bytes read raw
         t0 = time.perf_counter()
         for _, w in iter_checkpoint(path):
             pass
         best = min(best, time.perf_counter() - t0)
-    return {"seconds": best, "baseline_rss": base, "peak_rss": peak_rss_bytes()}
+        t0 = time.perf_counter()
+        with GGUFFile(path) as f:
+            for info in f.tensors:
+                f.read_raw(info)
+        raw = min(raw, time.perf_counter() - t0)
+    return {"seconds": best, "raw_seconds": raw, "baseline_rss": base, "peak_rss": peak_rss_bytes()}
 
 
-PHASES = {"read": phase_read, "stream": phase_stream, "torchao": phase_torchao, "gguf": phase_gguf,
+PHASES = {"read": phase_read, "stream": phase_stream, "torchao": phase_torchao, "gguf": phase_gguf, "fp": phase_fp,
           "quant_only": phase_quant_only, "make": make_checkpoint, "make_gguf": make_gguf}
 
 
@@ -286,6 +327,19 @@ def run_phase(name: str, *args) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def print_table(table, io_rate, torchao_rate) -> None:
+    """Every path of this run as a markdown table: rates and ratios to the same run's references."""
+    print("\n| input | path | GB/s median (best) | x I/O only | x torchao | peak RSS above baseline |")
+    print("|---|---|---|---|---|---|")
+    for size, gb, label, med, best, r, nbytes in table:
+        io, ao = io_rate.get(size), torchao_rate.get(size)
+        above = r["peak_rss"] - r["baseline_rss"]
+        print(f"| {gb:.2f} GB | {label} | {med:.2f} ({best:.2f}) | {f'{med / io:.2f}' if io else '-'} | "
+              f"{f'{med / ao:.2f}' if ao else '-'} | {above / 1e6:.0f} MB = {above / nbytes:.3f}x |")
+    print("(x I/O only: the median rate over the I/O-only stream's median of the same checkpoint size; GGUF rows "
+          "use the smallest size's. x torchao likewise. Read rows are best of 2 interleaved passes.)", flush=True)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sizes", default="2,4", help="checkpoint sizes in GB (comma-separated)")
@@ -298,7 +352,7 @@ def main(argv=None) -> int:
                    help="also time the INT4 stream with fsync=False (how much the disk costs)")
     p.add_argument("--repeat", type=int, default=3,
                    help="fresh-process runs of each stream variant (median and best are printed)")
-    p.add_argument("--skip", default="", help="comma-separated phases to skip (read,stream,torchao,gguf)")
+    p.add_argument("--skip", default="", help="comma-separated phases to skip (read,stream,fp,torchao,gguf)")
     p.add_argument("--phase", help=argparse.SUPPRESS)
     p.add_argument("--args", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -308,6 +362,7 @@ def main(argv=None) -> int:
     skip = set(filter(None, a.skip.split(",")))
     os.makedirs(a.workdir, exist_ok=True)
     rows = []
+    table, io_rate, torchao_rate = [], {}, {}
     try:
         for size in [float(s) for s in a.sizes.split(",")]:
             ckpt = os.path.join(a.workdir, f"ckpt_{size:g}gb")
@@ -325,6 +380,11 @@ def main(argv=None) -> int:
                       f"with NaN/Inf check {chk:.2f} GB/s | peak RSS {r['peak_rss'] / 1e6:.0f} MB "
                       f"(baseline {r['baseline_rss'] / 1e6:.0f} MB)", flush=True)
                 rows.append(("read", size, r))
+                one = gb / r["iter_checkpoint_one_range_s"]
+                table.append((size, gb, "`iter_checkpoint` read (no write)", ours, ours, r, info["bytes"]))
+                table.append((size, gb, "same, one `preadv` per tensor (the reader before this change)", one, one, r,
+                              info["bytes"]))
+                table.append((size, gb, "`safe_open` get_tensor + clone (reference)", ref_c, ref_c, r, info["bytes"]))
             if "stream" not in skip:
                 variants = [(True, True), (False, True)] + ([(True, False)] if a.no_fsync_row else [])
                 shard_note = f", {a.max_shard_mb} MiB shards" if a.max_shard_mb else ""
@@ -344,7 +404,26 @@ def main(argv=None) -> int:
                           f"{(s['peak_rss'] - s['baseline_rss']) / info['bytes']:.3f}x); output "
                           f"{s['out_bytes'] / 1e9:.2f} GB", flush=True)
                     rows.append(("stream", size, dict(s, fsync=fsync, quantize=quantize)))
+                    label = (f"read -> INT4 g32 -> bundle (fsync={fsync})" if quantize
+                             else f"I/O only: read -> bundle (fsync={fsync})")
+                    table.append((size, gb, label, gb / s["seconds"], gb / secs[0], s, info["bytes"]))
+                    if not quantize and fsync:
+                        io_rate[size] = gb / s["seconds"]
                     shutil.rmtree(out, ignore_errors=True)
+            if "fp" not in skip:
+                for fmt in FP_CONFIGS:
+                    out = os.path.join(a.workdir, f"fp_{size:g}gb")
+                    runs = [run_phase("fp", ckpt, out, fmt) for _ in range(max(1, a.repeat))]
+                    secs = sorted(r["seconds"] for r in runs)
+                    s = max(runs, key=lambda r: r["peak_rss"] - r["baseline_rss"])
+                    print(f"read -> {fmt} -> ModelOpt HF folder: {gb / statistics.median(secs):.2f} GB/s median, "
+                          f"{gb / secs[0]:.2f} best of {len(secs)}, peak RSS above baseline "
+                          f"{(s['peak_rss'] - s['baseline_rss']) / 1e6:.0f} MB; output {s['out_bytes'] / 1e9:.2f} GB",
+                          flush=True)
+                    table.append((size, gb, f"read -> {fmt.upper()} -> HF folder (ModelOpt style)",
+                                  gb / statistics.median(secs), gb / secs[0], s, info["bytes"]))
+                    shutil.rmtree(out, ignore_errors=True)
+            if "stream" not in skip:
                 q = run_phase("quant_only", ckpt)
                 print(f"quantize_weight arithmetic alone (one layer in memory): {q['bytes'] / GB / q['seconds']:.2f} GB/s",
                       flush=True)
@@ -354,14 +433,25 @@ def main(argv=None) -> int:
                       f"({t['seconds']:.1f} s, load {t['load_seconds']:.1f} s), peak RSS {t['peak_rss'] / 1e6:.0f} MB "
                       f"= {t['peak_rss'] / info['bytes']:.2f}x checkpoint", flush=True)
                 rows.append(("torchao", size, t))
+                table.append((size, gb, "whole load + torchao `quantize_` (int4 g32)", gb / t["seconds"],
+                              gb / t["seconds"], t, info["bytes"]))
+                torchao_rate[size] = gb / t["seconds"]
             shutil.rmtree(ckpt, ignore_errors=True) if not a.keep else None
         if "gguf" not in skip:
             path = os.path.join(a.workdir, "synthetic.gguf")
             info = run_phase("make_gguf", path, a.gguf_gb)
             g = run_phase("gguf", path)
-            print(f"\n== GGUF import ({info['bytes'] / GB:.2f} GB of Q4_0/Q8_0/Q4_K/Q6_K) ==\n"
-                  f"iter_checkpoint -> canonical: {info['bytes'] / GB / g['seconds']:.2f} GB/s of input, "
+            ggb = info["bytes"] / GB
+            print(f"\n== GGUF import ({ggb:.2f} GB of Q4_0/Q8_0/Q4_K/Q6_K) ==\n"
+                  f"iter_checkpoint -> canonical: {ggb / g['seconds']:.2f} GB/s of input "
+                  f"(the same bytes read raw: {ggb / g['raw_seconds']:.2f} GB/s), "
                   f"peak RSS {g['peak_rss'] / 1e6:.0f} MB", flush=True)
+            gsize = min(io_rate) if io_rate else None
+            table.append((gsize, ggb, "GGUF raw tensor read (GGUF I/O only)", ggb / g["raw_seconds"],
+                          ggb / g["raw_seconds"], g, info["bytes"]))
+            table.append((gsize, ggb, "GGUF import -> canonical (Q4_0/Q8_0/Q4_K/Q6_K)", ggb / g["seconds"],
+                          ggb / g["seconds"], g, info["bytes"]))
+        print_table(table, io_rate, torchao_rate)
     finally:
         if not a.keep:
             shutil.rmtree(a.workdir, ignore_errors=True)

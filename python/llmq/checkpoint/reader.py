@@ -1,8 +1,8 @@
 """iter_checkpoint / load_checkpoint: stream a checkpoint one tensor at a time.
 
 Only the tensor being yielded is materialised (plus, by default, the next one, read on
-a background thread while the caller works on this one): each is read with one
-positioned read into fresh memory (safetensors, GGUF) and dropped by the caller before
+a background thread while the caller works on this one): each is read with positioned
+reads into fresh memory (safetensors, GGUF) and dropped by the caller before
 the next, so a 60 GB checkpoint streams through a few hundred MB of RAM.
 """
 

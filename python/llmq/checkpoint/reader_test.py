@@ -444,6 +444,37 @@ def test_read_ahead_delivers_errors_in_order_and_stops_its_thread(tmp_path):
     assert _read_ahead_threads() == before
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_large_tensors_read_in_parallel_ranges_exactly(tmp_path, threads, monkeypatch):
+    """A 20 MiB tensor is read as one byte range per torch thread; the bytes equal safe_open's, and a
+    file that shrinks after opening fails in a later range with the one-line truncation error."""
+    from safetensors import safe_open
+
+    from llmq.checkpoint import safetensors_io
+    from llmq.checkpoint.safetensors_io import SafetensorsFile
+
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))  # an idle machine: the reads split
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    assert safetensors_io._idle_cpus() == 8
+    g = torch.Generator().manual_seed(3)
+    sd = {"big": torch.randint(-2 ** 31, 2 ** 31 - 1, (5 << 20,), dtype=torch.int32, generator=g),
+          "small": torch.arange(7, dtype=torch.int16)}
+    path = tmp_path / "m.safetensors"
+    save_file(sd, path)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with safe_open(path, "pt") as ref:
+            for name, t in iter_checkpoint(path, nonfinite="allow"):
+                assert torch.equal(t, ref.get_tensor(name)), name
+        with SafetensorsFile(path) as f:
+            os.truncate(path, f.entries["big"].end - (3 << 20))  # the last range ends early
+            with pytest.raises(CorruptCheckpointError, match=r"m\.safetensors: tensor 'big'.*file ended after"):
+                f.read("big")
+    finally:
+        torch.set_num_threads(before)
+
+
 def safe_open_keys(path):
     from llmq.checkpoint.safetensors_io import read_header
 

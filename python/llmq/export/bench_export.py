@@ -63,14 +63,14 @@ def make_checkpoint(folder: str, size_gb: float) -> int:
 
 
 def iter_folder(folder: str):
-    """(name, tensor) one at a time from every shard of `folder`."""
-    from safetensors import safe_open
+    """(name, tensor) one at a time from every shard of `folder`, through llmq's reader (one
+    tensor in fresh memory at a time, as the integer stream reads; safe_open's mmap views would
+    leave the shards' pages mapped into the process and count them as its RSS)."""
+    from llmq.checkpoint import iter_checkpoint
 
     for f in sorted(os.listdir(folder)):
         if f.endswith(".safetensors"):
-            with safe_open(os.path.join(folder, f), "pt") as st:
-                for name in st.keys():
-                    yield name, st.get_tensor(name)
+            yield from iter_checkpoint(os.path.join(folder, f))
 
 
 def run_one(src: str, dst: str, fmt: str, style: str, max_shard_bytes: int = 512 << 20) -> dict:

@@ -135,6 +135,41 @@ def search_qparams(g: torch.Tensor, group_size: int, bits: int, symmetric: bool,
     return scale, zero
 
 
+def int4_mma_tiles_available() -> bool:
+    """Whether the loaded kernel has pack_int4_mma_tiles (an older .so picked by LLMQ_QUANT_KERNEL may not)."""
+    m = _load()
+    return m is not None and hasattr(m, "pack_int4_mma_tiles")
+
+
+def pack_int4_mma_tiles(qdata: torch.Tensor, inner_k_tiles: int, *, threads: Optional[int] = None,
+                        out: Optional[torch.Tensor] = None, simd: bool = True) -> torch.Tensor:
+    """Canonical 4-bit bytes uint8 [..., N, K/2] -> int32 m16n8k16 B-fragment tiles
+    [..., ceil(N/8), K/(16T), 32, T/2] (cpp/quant/int4_tiles.h); rows past N are zero. The
+    caller has checked T and K (tinygemm.py, whose torch path this equals bit for bit).
+    out: optional contiguous int32 CPU tensor of that shape to write into (e.g. huge-page
+    backed memory: fresh 4 KiB pages cost more to fault in than the packing itself).
+    simd=False forces the portable path (for tests: both give the same bytes)."""
+    m = _load()
+    if m is None or not hasattr(m, "pack_int4_mma_tiles"):
+        raise RuntimeError(f"the quantization kernel has no pack_int4_mma_tiles: {_error or 'an older build'}")
+    q = qdata.detach().contiguous()
+    *lead, n, kb = q.shape
+    batch = 1
+    for d in lead:
+        batch *= d
+    t = inner_k_tiles
+    shape = (*lead, -(-n // 8), 2 * kb // (16 * t), 32, t // 2)
+    if out is None:
+        out = torch.empty(shape, dtype=torch.int32)
+    elif (out.dtype != torch.int32 or tuple(out.shape) != shape or not out.is_contiguous()
+          or out.device.type != "cpu"):
+        raise ValueError(f"out must be a contiguous CPU int32 tensor {list(shape)}, got {out.dtype} "
+                         f"{list(out.shape)} on {out.device}")
+    m.pack_int4_mma_tiles(q.data_ptr(), batch, n, kb, t, out.data_ptr(),
+                          (_threads or torch.get_num_threads()) if threads is None else threads, bool(simd))
+    return out
+
+
 def count_nonfinite(t: torch.Tensor) -> Optional[Tuple[int, int]]:
     """(NaN count, Inf count) of a contiguous CPU float32/bfloat16/float16 tensor from its bit
     patterns on the calling thread, or None when the kernel is not loaded or the tensor is
