@@ -215,13 +215,13 @@ def main(argv=None) -> int:
     def build(tensors):
         return build_quantized_model(ARCHITECTURE.build_model(config, device="meta"), dict(tensors))
 
-    from transformers import AutoTokenizer
+    from models.common.tokenizer import load_tokenizer
 
-    tok = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path))
+    tok = load_tokenizer(path)
 
     def token_ids(file: str, n: int) -> torch.Tensor:
         with open(_user_path(file), encoding="utf-8", errors="replace") as f:
-            ids = tok(f.read()).input_ids
+            ids = tok.encode(f.read())
         if len(ids) < n:
             raise SystemExit(f"error: {file}: {len(ids)} tokens, fewer than the {n} asked for")
         return torch.tensor(ids[:n])
