@@ -56,6 +56,11 @@ class WriteJob:
     max_shard_bytes: int = 2 << 30
     resume: bool = True
     metadata: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    verify: bool = False  # the run reloads the output afterwards (reload / check_consumer follow write)
+
+
+class BackendError(ValueError):
+    """A job a backend cannot write (a refused input, format or output place): one line, shown as is."""
 
 
 @runtime_checkable
@@ -69,9 +74,10 @@ class Backend(Protocol):
     stream and quantizes with job.recipe itself.
 
     Optional methods, looked up with getattr: ``check(job)`` refuses a job before any work
-    (ValueError, one line); ``summary(path, job) -> rows`` extra summary rows;
-    ``check_consumer(path, job, reference, quantized, *, vocab_size, seed) -> (rows, dict)``
-    loads the folder as its consumer does and compares.
+    (BackendError, one line); ``summary(path, job) -> rows`` extra summary rows;
+    ``check_consumer(path, job, reference, quantized, prompt) -> (rows, dict)`` loads the folder
+    as its consumer does and compares its logits for `prompt` [1, T] with our unquantized
+    (`reference`) and reloaded (`quantized`) models.
     """
 
     name: str
