@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from models.gemma4 import gguf_checkpoint, keymap, mlx_export
+from models.gemma4 import gguf_checkpoint, keymap
 from models.gemma4.config import MULTIMODAL_MODEL_TYPES, TEXT_MODEL_TYPES, ModelConfig
 from models.gemma4.model import build_model
 import os
@@ -60,7 +60,6 @@ ARCHITECTURE = Architecture(
     key_map=keymap.hf_to_llmq_key,
     presets=recipe_files(RECIPES),
     prepare_default=prepare_default,
-    mlx_export=mlx_export,
     gguf_import=gguf_checkpoint,
     hf_model_types=TEXT_MODEL_TYPES + MULTIMODAL_MODEL_TYPES,
     target="//models/gemma4:quantize_and_save",

@@ -32,9 +32,6 @@ class Architecture:
     prepare_default: Callable[[nn.Module], None] = lambda model: None
     presets: Dict[str, QuantRecipe] = dataclasses.field(default_factory=dict)
     default_recipe: str = "int4"
-    # --backend=mlx: a module (models/<m>/mlx_export.py) with `mlx_tensors(name, value) -> [(mlx_name,
-    # value)]` and `mlx_config(hf_config) -> dict`, mapping to what mlx-lm loads (None: no MLX export).
-    mlx_export: Optional[Any] = None
     # --checkpoint=model.gguf: a module (models/<m>/gguf_checkpoint.py) with GGUF_ARCH, `hf_config_from_gguf` and
     # `GGUFConverter` (see models/pipeline/gguf_input.py; None: GGUF input is refused).
     gguf_import: Optional[Any] = None

@@ -13,14 +13,12 @@ import torch
 
 from llmq.quant import GroupQuantizedWeight, QuantConfig, quantize_stream, quantize_weight
 from llmq.quant.formats import dequantize_canonical
-from models.gemma4 import mlx_export as gemma4_mlx
 from models.gemma4.pipeline import ARCHITECTURE as GEMMA4
 from models.pipeline.arch import quantizable_module
-from models.pipeline.default_model import write_default_checkpoint
+from models.pipeline.default_model import write_default_checkpoint, write_tiny_tokenizer
 from models.pipeline.quantized_model import build_quantized_model
 from models.pipeline.report import verification_prompt
 from models.pipeline.quantize_and_save import _read_hf_config, model_tensors, run
-from models.qwen import mlx_export as qwen_mlx
 from models.qwen.pipeline import ARCHITECTURE as QWEN
 
 mx = pytest.importorskip("mlx.core", reason="the MLX runtime (mlx, or mlx[cpu] on Linux) is not installed here")
@@ -29,7 +27,8 @@ pytest.importorskip("mlx_lm", reason="mlx-lm is not installed here")
 from llmq_mlx import mlx_group_size_for  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 
-from models.pipeline import mlx_backend  # noqa: E402
+from llmq_mlx import backend as mlx_backend  # noqa: E402
+from llmq_mlx.mlx_lm_models import gemma4 as gemma4_mlx, naming_for, qwen3_5_moe as qwen_mlx  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -75,13 +74,14 @@ def test_qwen_conv1d_and_norms_are_written_already_sanitized():
 
 
 def test_configs_say_what_mlx_lm_would_otherwise_default_wrongly():
-    qwen = qwen_mlx.mlx_config(QWEN.tiny_hf_config())
+    qwen = qwen_mlx.mlx_config(QWEN.tiny_hf_config(), QWEN.config_from_hf(QWEN.tiny_hf_config()))
     assert qwen["model_type"] == "qwen3_5_moe" and qwen["text_config"]["full_attention_interval"] == 4
     assert "quantization" not in qwen
     irregular = ["linear_attention", "full_attention", "linear_attention", "linear_attention"]
     with pytest.raises(ValueError, match="full attention every 2th layer"):
-        qwen_mlx.mlx_config(dict(QWEN.tiny_hf_config(), layer_types=irregular))
-    gemma = gemma4_mlx.mlx_config(GEMMA4.tiny_hf_config())
+        qwen_mlx.mlx_config(dict(QWEN.tiny_hf_config(), layer_types=irregular),
+                            QWEN.config_from_hf(dict(QWEN.tiny_hf_config(), layer_types=irregular)))
+    gemma = gemma4_mlx.mlx_config(GEMMA4.tiny_hf_config(), GEMMA4.config_from_hf(GEMMA4.tiny_hf_config()))
     assert gemma["model_type"] == "gemma4_text"
     assert (gemma["num_kv_shared_layers"], gemma["hidden_size_per_layer_input"]) == (0, 0)  # mlx-lm: 20, 256
     assert (gemma["global_head_dim"], gemma["num_global_key_value_heads"], gemma["attention_k_eq_v"]) == (64, 1, True)
@@ -97,7 +97,7 @@ def checkpoints(tmp_path_factory):
         folder = write_default_checkpoint(arch, str(tmp_path_factory.mktemp(arch.name) / "ckpt"), seed=0)
         hf_config = _read_hf_config(folder)
         config = arch.config_from_hf(hf_config)
-        made[arch.name] = (folder, hf_config, config, mlx_backend.write_tiny_tokenizer(folder, config.vocab_size))
+        made[arch.name] = (folder, hf_config, config, write_tiny_tokenizer(folder, config.vocab_size))
     return made
 
 
@@ -150,17 +150,17 @@ def _quantize_and_write(arch, checkpoint, recipe, out):
             tensors[name] = value
             yield name, value
 
-    path = mlx_backend.write_mlx_folder(str(out), keep(stream), arch, hf_config, tokenizer=tokenizer,
+    path = mlx_backend.write_mlx_folder(str(out), keep(stream), hf_config, config, tokenizer=tokenizer,
                                         float_dtype=torch.float32, max_shard_bytes=1 << 20)
     return path, tensors
 
 
-def _check_quantization_section(arch, q, tensors, mlx_params):
+def _check_quantization_section(naming, q, tensors, mlx_params):
     """Every quantized module's effective (bits, group) and every kept matrix's `false`, in mlx-lm paths."""
     default = {k: q[k] for k in ("group_size", "bits", "mode")}
     quantized = kept = 0
     for name, value in tensors.items():
-        for mlx_name, mlx_value in arch.mlx_export.mlx_tensors(name, value):
+        for mlx_name, mlx_value in naming.mlx_tensors(name, value):
             path = mlx_name[: -len(".weight")] if mlx_name.endswith(".weight") else mlx_name
             if isinstance(mlx_value, GroupQuantizedWeight):
                 group = mlx_group_size_for(mlx_value.group_size, mlx_value.shape[-1], name=path)
@@ -196,7 +196,7 @@ def test_mlx_lm_loads_the_folder_and_matches_our_quantized_model(arch, recipe, c
     assert tokenizer is not None and tokenizer.encode(text) == list(text.encode())  # byte-level, both loaders
     assert tokenizer.decode(list(text.encode())) == text and tokenizer.eos_token_id == 256
     mlx_params = dict(tree_flatten(model.parameters()))
-    quantized, kept = _check_quantization_section(arch, q, tensors, mlx_params)
+    quantized, kept = _check_quantization_section(naming_for(checkpoint[1]), q, tensors, mlx_params)
     assert quantized > 0 and kept > 0
     if arch is QWEN:
         switch = model.language_model.model.layers[1].mlp.switch_mlp

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from models.pipeline.arch import Architecture, recipe_file_descriptions, recipe_files
-from models.qwen import gguf_checkpoint, keymap, mlx_export
+from models.qwen import gguf_checkpoint, keymap
 from models.qwen.config import MULTIMODAL_MODEL_TYPES, TEXT_MODEL_TYPES, ModelConfig
 from models.qwen.model import build_model
 
@@ -36,7 +36,6 @@ ARCHITECTURE = Architecture(
     is_per_expert=keymap.is_per_expert_key,
     merge_experts=keymap.stack_experts,
     to_hf_tensors=keymap.unstack_experts,
-    mlx_export=mlx_export,
     gguf_import=gguf_checkpoint,
     hf_model_types=TEXT_MODEL_TYPES + MULTIMODAL_MODEL_TYPES,
     target="//models/qwen:quantize_and_save",

@@ -1,15 +1,16 @@
 """Named recipes, so a command line can say ``--recipe=int4``.
 
 The generic presets here quantize every Linear-like weight except the ones that are known
-to hurt (or to be tiny): embeddings, the LM head, MoE routers / gates and norms. Models add
-their own presets with `register_preset` (e.g. "qwen-int4"); a name may also be a path to a
-recipe file (`load_recipe`).
+to hurt (or to be tiny): embeddings, the LM head, MoE routers / gates and norms. A caller with
+its own presets (a model's recipe files) passes them to `load_recipe(name, presets=...)`, where
+they take precedence over these without changing them; a name may also be a path to a recipe
+file. `register_preset` adds a preset for the whole process.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Dict, List, Union
+from typing import Dict, List, Mapping, Optional, Union
 
 from llmq.quant.recipe import QuantConfig, QuantRecipe, QuantRule
 
@@ -29,6 +30,12 @@ INT4 = QuantConfig(bits=4, group_size=32, symmetric=True)
 INT4_ASYM = QuantConfig(bits=4, group_size=32, symmetric=False)
 INT8_PER_CHANNEL = QuantConfig(bits=8, group_size=None, symmetric=True)
 INT8_G32 = QuantConfig(bits=8, group_size=32, symmetric=True)
+# The floating-point formats (docs/formats.md): FP8 E4M3 with one scale per output row, the OCP MX
+# formats (E8M0 scale per 32 elements) and NVFP4 (FP8 scale per 16 elements, one FP32 tensor scale).
+FP8_PER_CHANNEL = QuantConfig(format="fp8", bits=8, group_size=None)
+MXFP8 = QuantConfig(format="mxfp8", bits=8, group_size=32)
+MXFP4 = QuantConfig(format="mxfp4", bits=4, group_size=32)
+NVFP4 = QuantConfig(format="nvfp4", bits=4, group_size=16)
 
 
 def _keep_rules() -> List[QuantRule]:
@@ -57,6 +64,10 @@ PRESETS: Dict[str, QuantRecipe] = {
     "int4-asym": _uniform(INT4_ASYM),
     "int8": _uniform(INT8_PER_CHANNEL),
     "int4-mixed": _int4_mixed(),
+    "fp8": _uniform(FP8_PER_CHANNEL),
+    "mxfp8": _uniform(MXFP8),
+    "mxfp4": _uniform(MXFP4),
+    "nvfp4": _uniform(NVFP4),
 }
 
 
@@ -79,13 +90,21 @@ def get_preset(name: str) -> QuantRecipe:
         raise ValueError(f"unknown recipe preset {name!r}; known presets: {', '.join(sorted(PRESETS))}") from None
 
 
-def load_recipe(name_or_path: Union[str, os.PathLike]) -> QuantRecipe:
-    """What a ``--recipe`` flag means: a preset name, or else a path to a JSON/YAML recipe file."""
+def load_recipe(name_or_path: Union[str, os.PathLike], *,
+                presets: Optional[Mapping[str, QuantRecipe]] = None) -> QuantRecipe:
+    """What a ``--recipe`` flag means: a preset name (`presets` first, then PRESETS), or else a path
+    to a JSON/YAML recipe file. Nothing global changes."""
     spec = os.fspath(name_or_path)
-    if spec in PRESETS:
-        return PRESETS[spec]
+    known = all_presets(presets)
+    if spec in known:
+        return known[spec]
     if os.path.exists(spec):
         return QuantRecipe.from_file(spec)
     raise ValueError(
-        f"--recipe {spec!r} is neither a known preset ({', '.join(sorted(PRESETS))}) nor an existing recipe file"
+        f"--recipe {spec!r} is neither a known preset ({', '.join(sorted(known))}) nor an existing recipe file"
     )
+
+
+def all_presets(presets: Optional[Mapping[str, QuantRecipe]] = None) -> Dict[str, QuantRecipe]:
+    """PRESETS with `presets` (e.g. a model's recipe files) in front: same name, theirs."""
+    return {**PRESETS, **dict(presets or {})}

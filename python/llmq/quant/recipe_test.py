@@ -247,3 +247,13 @@ def test_fp8_group_size_selects_granularity():
         QuantConfig(format="fp8", bits=8, group_size=32)
     with pytest.raises(ValueError, match="positive int"):
         QuantConfig(group_size=0)
+
+
+def test_load_recipe_takes_a_callers_presets_without_changing_the_global_ones():
+    generic = PRESETS["int4"]
+    mine = QuantRecipe([QuantRule(".*", QuantConfig(bits=8, group_size=None))])
+    assert load_recipe("int4", presets={"int4": mine}) is mine
+    assert load_recipe("int4") is generic and PRESETS["int4"] is generic
+    assert load_recipe("nvfp4").get_config("model.layers.0.mlp.down_proj").format == "nvfp4"
+    with pytest.raises(ValueError, match="known preset .*only-mine"):
+        load_recipe("nope", presets={"only-mine": mine})

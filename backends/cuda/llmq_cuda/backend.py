@@ -1,4 +1,4 @@
-"""--backend=cuda: 4-bit weights in tinygemm's tile-packed layout (what
+"""The CUDA backend (--backend=cuda): 4-bit weights in tinygemm's tile-packed layout (what
 `torch.ops.aten._weight_int4pack_mm` consumes), stacked experts in the per-expert layout.
 
 Each packed weight `<name>` is stored as three bundle tensors:
@@ -15,11 +15,9 @@ from typing import Dict, Iterable, Iterator, Tuple
 
 import torch
 
+from llmq.backend import BundleBackend, WriteJob, register_backend
 from llmq.quant import GroupQuantizedWeight, pack_bits
-from llmq_cuda import TINYGEMM_INNER_K_TILES, TinygemmInt4Weight, pack_tinygemm_int4, unpack_tinygemm_int4
-
-# Formats a recipe may use with --backend=cuda (checked before any work): tinygemm packs integer weights.
-ACCEPTS_FORMATS = ("int",)
+from llmq_cuda.tinygemm import TINYGEMM_INNER_K_TILES, TinygemmInt4Weight, pack_tinygemm_int4, unpack_tinygemm_int4
 
 _SUFFIXES = (".tinygemm_qdata", ".tinygemm_scale_and_zero", ".tinygemm_shape")
 
@@ -59,3 +57,21 @@ def to_canonical(tensors: Dict[str, object]) -> Dict[str, object]:
         out[name] = GroupQuantizedWeight(qdata=pack_bits(q, 4), scale=scale, bias=zero.float() - 8 * scale,
                                          bits=4, group_size=packed.group_size, shape=shape)
     return out
+
+
+class CudaBackend:
+    """--backend=cuda: the bundle with tinygemm int4 tiles (see the module docstring)."""
+
+    name = "cuda"
+    description = "the llmq bundle with 4-bit weights in tinygemm int4 tiles (torch.ops.aten._weight_int4pack_mm)"
+    accepts_formats = ("int",)  # tinygemm packs integer weights
+    takes_float = False
+
+    def write(self, stream: Iterable[Tuple[str, object]], job: WriteJob) -> str:
+        return BundleBackend().write(pack_stream(stream), job)
+
+    def reload(self, path: str, job: WriteJob) -> Dict[str, object]:
+        return to_canonical(BundleBackend().reload(path, job))
+
+
+register_backend(CudaBackend())

@@ -21,31 +21,21 @@ Facts from mlx-lm 0.32.2 (`models/qwen3_5_moe.py`, `qwen3_5.py`, `qwen3_next.py`
 
 from __future__ import annotations
 
-from typing import List, Tuple, Union
+from typing import Any, List, Tuple, Union
 
 import torch
 
 from llmq.quant.formats import GroupQuantizedWeight
-from models.qwen.config import ModelConfig
+from llmq_mlx.mlx_lm_models.common import split_rows
 
 Value = Union[torch.Tensor, GroupQuantizedWeight]
+
+# The HF config.json model_type values whose checkpoints this mlx-lm naming serves.
+HF_MODEL_TYPES = ("qwen3_5_moe_text", "qwen3_5_moe")
 
 PREFIX = "language_model."
 # RMSNorms whose stored weight is an offset from 1 (ours: ZeroCenteredRMSNorm); mlx-lm's are plain.
 _SHIFTED_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight", ".q_norm.weight", ".k_norm.weight")
-
-
-def split_rows(value: Value, start: int, stop: int) -> Value:
-    """Rows [start, stop) of a (possibly stacked) weight, along the output axis (-2); exact."""
-    if isinstance(value, GroupQuantizedWeight):
-        shape = tuple(value.shape[:-2]) + (stop - start, value.shape[-1])
-        return GroupQuantizedWeight(
-            qdata=value.qdata[..., start:stop, :].contiguous(),
-            scale=value.scale[..., start:stop, :].contiguous(),
-            bias=value.bias[..., start:stop, :].contiguous(),
-            bits=value.bits, group_size=value.group_size, shape=shape, dtype=value.dtype,
-        )
-    return value[..., start:stop, :].contiguous()
 
 
 def _is_shifted_norm(name: str) -> bool:
@@ -91,10 +81,11 @@ def full_attention_interval(layer_types: List[str]) -> int:
     return interval
 
 
-def mlx_config(hf_config: dict) -> dict:
-    """config.json for mlx-lm's `qwen3_5_moe` (without "quantization"; the folder writer adds it)."""
+def mlx_config(hf_config: dict, c: Any) -> dict:
+    """config.json for mlx-lm's `qwen3_5_moe` (without "quantization"; the folder writer adds it).
+
+    `c`: the parsed model config (the model's own reading of hf_config: attributes as the model uses them)."""
     text = hf_config.get("text_config") if isinstance(hf_config.get("text_config"), dict) else hf_config
-    c = ModelConfig.from_hf_dict(hf_config)
     text_config = {
         "model_type": "qwen3_5_moe_text",
         "vocab_size": c.vocab_size,

@@ -18,26 +18,17 @@ Facts from mlx-lm 0.32.2 (`models/gemma4_text.py`):
 
 from __future__ import annotations
 
-from typing import List, Tuple, Union
+from typing import Any, List, Tuple, Union
 
 import torch
 
 from llmq.quant.formats import GroupQuantizedWeight
-from models.gemma4.config import ModelConfig
+from llmq_mlx.mlx_lm_models.common import split_rows
 
 Value = Union[torch.Tensor, GroupQuantizedWeight]
 
-
-def _split_rows(value: Value, start: int, stop: int) -> Value:
-    if isinstance(value, GroupQuantizedWeight):
-        return GroupQuantizedWeight(
-            qdata=value.qdata[..., start:stop, :].contiguous(),
-            scale=value.scale[..., start:stop, :].contiguous(),
-            bias=value.bias[..., start:stop, :].contiguous(),
-            bits=value.bits, group_size=value.group_size,
-            shape=tuple(value.shape[:-2]) + (stop - start, value.shape[-1]), dtype=value.dtype,
-        )
-    return value[..., start:stop, :].contiguous()
+# The HF config.json model_type values whose checkpoints this mlx-lm naming serves.
+HF_MODEL_TYPES = ("gemma4_text", "gemma4")
 
 
 def mlx_tensors(name: str, value: Value) -> List[Tuple[str, Value]]:
@@ -45,14 +36,14 @@ def mlx_tensors(name: str, value: Value) -> List[Tuple[str, Value]]:
     if name.endswith(".experts.gate_up_proj"):
         base = name[: -len("gate_up_proj")] + "switch_glu."
         half = value.shape[-2] // 2
-        return [(base + "gate_proj.weight", _split_rows(value, 0, half)),
-                (base + "up_proj.weight", _split_rows(value, half, value.shape[-2]))]
+        return [(base + "gate_proj.weight", split_rows(value, 0, half)),
+                (base + "up_proj.weight", split_rows(value, half, value.shape[-2]))]
     if name.endswith(".experts.down_proj"):
         return [(name[: -len("down_proj")] + "switch_glu.down_proj.weight", value)]
     return [(name, value)]
 
 
-def _full_attention_geometry(c: ModelConfig) -> Tuple[int, int]:
+def _full_attention_geometry(c: Any) -> Tuple[int, int]:
     """(global_head_dim, num_global_key_value_heads) of the full layers; ValueError where mlx-lm cannot say it."""
     by_type = {}
     for i, (layer_type, g) in enumerate(zip(c.layer_types, c.layer_geometry)):
@@ -75,10 +66,11 @@ def _full_attention_geometry(c: ModelConfig) -> Tuple[int, int]:
     return full.head_dim, full.num_key_value_heads
 
 
-def mlx_config(hf_config: dict) -> dict:
-    """config.json for mlx-lm's `gemma4_text` (without "quantization"; the folder writer adds it)."""
+def mlx_config(hf_config: dict, c: Any) -> dict:
+    """config.json for mlx-lm's `gemma4_text` (without "quantization"; the folder writer adds it).
+
+    `c`: the parsed model config (the model's own reading of hf_config: attributes as the model uses them)."""
     text = hf_config.get("text_config") if isinstance(hf_config.get("text_config"), dict) else hf_config
-    c = ModelConfig.from_hf_dict(hf_config)
     global_head_dim, global_kv_heads = _full_attention_geometry(c)
     rope = {}
     for layer_type, params in c.rope_parameters.items():

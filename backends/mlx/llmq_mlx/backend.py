@@ -1,0 +1,199 @@
+"""The MLX backend (--backend=mlx): the quantized stream -> a folder that `mlx_lm.load(folder)` runs.
+
+mlx-lm's names, layouts and config.json per model live in `llmq_mlx.mlx_lm_models` (one module
+per mlx-lm model file, found by the HF config's model_type); `llmq_mlx.write_mlx_lm_folder` packs
+canonical weights to MLX affine tensors, writes "quantization" (per-layer overrides, `false` for
+kept layers) and flushes shards as they fill. `check_consumer` loads the folder with mlx-lm
+itself and compares its logits, so what is verified is what a user of the folder gets.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+import torch
+
+from llmq.backend import BackendError, WriteJob, register_backend
+from llmq.quant import GroupQuantizedWeight
+from llmq_mlx.mlx_lm_models import naming_for
+
+Value = Union[torch.Tensor, GroupQuantizedWeight]
+
+# Files mlx-lm's tokenizer loader may read; copied through from a real checkpoint when present.
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "tokenizer.model",
+    "vocab.json", "merges.txt", "chat_template.json", "chat_template.jinja", "generation_config.json",
+)
+_TOKENIZER_PROPER = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def tokenizer_files(folder: str) -> List[str]:
+    """The tokenizer files present in a checkpoint folder (possibly none)."""
+    return [os.path.join(folder, f) for f in TOKENIZER_FILES if os.path.isfile(os.path.join(folder, f))]
+
+
+def has_tokenizer(folder: str) -> bool:
+    """Whether the folder holds a tokenizer proper (not just its config files)."""
+    return any(os.path.isfile(os.path.join(folder, f)) for f in _TOKENIZER_PROPER)
+
+
+def mlx_stream(items: Iterable[Tuple[str, Value]], naming, float_dtype: Optional[torch.dtype] = None
+               ) -> Iterator[Tuple[str, Value]]:
+    """Pipeline (name, value) pairs -> mlx-lm (name, value) pairs, one tensor at a time.
+
+    `naming`: a module of llmq_mlx.mlx_lm_models. `float_dtype` casts the tensors kept in high
+    precision (None: as the checkpoint stores them). Quantized weights stay canonical; the writer
+    packs them (exactly, float32 scales).
+    """
+    for name, value in items:
+        for mlx_name, mlx_value in naming.mlx_tensors(name, value):
+            if float_dtype is not None and isinstance(mlx_value, torch.Tensor) and mlx_value.is_floating_point():
+                mlx_value = mlx_value.to(float_dtype)
+            yield mlx_name, mlx_value
+
+
+def write_mlx_folder(out: str, items: Iterable[Tuple[str, Value]], hf_config: dict, model_config: Any, *,
+                     tokenizer: Sequence[str] = (), max_shard_bytes: int = 5 << 30,
+                     float_dtype: Optional[torch.dtype] = None, overwrite: bool = False) -> Path:
+    """Write the mlx-lm folder of the model `hf_config` describes from the pipeline's quantized stream;
+    returns its path. ValueError where mlx-lm has no model for the config's model_type."""
+    from llmq_mlx import write_mlx_lm_folder
+
+    naming = naming_for(hf_config)
+    if naming is None:
+        raise ValueError(f"mlx-lm naming for model_type {hf_config.get('model_type')!r} unknown "
+                         "(llmq_mlx.mlx_lm_models)")
+    config = naming.mlx_config(hf_config, model_config)
+    return write_mlx_lm_folder(out, mlx_stream(items, naming, float_dtype), config, tokenizer_files=tokenizer,
+                               max_shard_bytes=max_shard_bytes, overwrite=overwrite)
+
+
+def load_mlx_model(folder: Union[str, Path]):
+    """`mlx_lm.load(folder)` (model, tokenizer); without tokenizer files only the model (tokenizer None)."""
+    import mlx_lm
+    from mlx_lm.utils import load_model
+
+    if has_tokenizer(str(folder)):
+        return mlx_lm.load(str(folder))
+    model, _ = load_model(Path(folder))
+    return model, None
+
+
+def mlx_logits(model, prompt: torch.Tensor) -> torch.Tensor:
+    """Prefill logits [T, V] (float32) of an mlx-lm model for one prompt [1, T], through its own cache
+    (rotating caches for sliding windows, as generation uses them)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    ids = mx.array(prompt.to(torch.int64).numpy().astype(np.int32))
+    out = model(ids, cache=make_prompt_cache(model))
+    return torch.from_numpy(np.array(out[0].astype(mx.float32)))
+
+
+def agreement(reference: torch.Tensor, got: torch.Tensor) -> dict:
+    """cosine, SQNR (dB) and max |difference| of two logit arrays."""
+    import math
+
+    ref, got = reference.double().flatten(), got.double().flatten()
+    noise = (ref - got).pow(2).sum().item()
+    return {
+        "cosine": torch.nn.functional.cosine_similarity(ref, got, dim=0).item(),
+        "sqnr_db": math.inf if noise == 0 else 10 * math.log10(ref.pow(2).sum().item() / noise),
+        "max_abs_error": (ref - got).abs().max().item(),
+    }
+
+
+@torch.no_grad()
+def compare_with_mlx(folder: Union[str, Path], reference: torch.nn.Module, quantized: torch.nn.Module,
+                     prompt: torch.Tensor, *, float32: bool = True) -> dict:
+    """mlx-lm's logits for the folder vs our quantized model (same tensors) and vs the unquantized one.
+
+    With `float32` (default) every model is evaluated in float32 (mlx-lm's float parameters cast with
+    `set_dtype`, ours with `.float()`, in place): bf16-compute noise then no longer hides a difference
+    between what the folder holds and our quantized model, so "mlx vs ours" checks the export itself.
+    """
+    model, _ = load_mlx_model(folder)
+    if float32:
+        import mlx.core as mx
+
+        model.set_dtype(mx.float32)
+        reference, quantized = reference.float(), quantized.float()
+    got = mlx_logits(model, prompt)
+    ours = quantized(prompt)[0].float()
+    ref = reference(prompt)[0].float()
+    return {"mlx_vs_quantized": agreement(ours, got), "mlx_vs_reference": agreement(ref, got), "float32": float32}
+
+
+class MlxBackend:
+    """--backend=mlx (see the module docstring)."""
+
+    name = "mlx"
+    description = "a folder mlx_lm.load runs (MLX affine int weights, mlx-lm names and config.json)"
+    accepts_formats = ("int",)  # MLX affine weights are integer
+    takes_float = False
+
+    def __init__(self):
+        self._kept: Dict[str, Dict[str, Value]] = {}  # out -> the tensors written there, for reload
+
+    def check(self, job: WriteJob) -> None:
+        if job.source_kind == "gguf":
+            raise BackendError("--backend mlx needs the tokenizer files of an HF folder; a GGUF checkpoint has none")
+        if naming_for(job.hf_config) is None:
+            raise BackendError(f"--backend mlx: no MLX export for {job.architecture} (mlx-lm naming for model_type "
+                               f"{job.hf_config.get('model_type')!r}: llmq_mlx.mlx_lm_models)")
+        if os.path.exists(job.out):
+            raise BackendError(f"--out {job.out} already exists; an MLX folder is written whole: remove it or pick "
+                               "another --out")
+
+    def write(self, stream: Iterable[Tuple[str, Value]], job: WriteJob) -> str:
+        """The folder at job.out; with job.verify the written tensors are kept for reload (the folder is
+        mlx-lm's, not a bundle: verification runs our model on the same quantized tensors, and
+        check_consumer runs mlx-lm on the folder)."""
+        self.check(job)
+        if not any(os.path.basename(f) in _TOKENIZER_PROPER for f in job.tokenizer_files):
+            print(f"note: the input has no tokenizer files; mlx_lm.load({job.out}) will need them copied in")
+        kept: Dict[str, Value] = {}
+        if job.verify:
+            stream = _keep(stream, kept)
+        try:
+            path = str(write_mlx_folder(job.out, stream, dict(job.hf_config), job.model_config,
+                                        tokenizer=job.tokenizer_files, max_shard_bytes=job.max_shard_bytes))
+        except ValueError as e:  # a config or tensor mlx-lm cannot express (CheckpointError: a failed write)
+            from llmq.checkpoint import CheckpointError
+
+            if isinstance(e, CheckpointError):
+                raise
+            raise BackendError(f"--backend mlx: {e}") from None
+        if job.verify:
+            self._kept[path] = kept
+        return path
+
+    def reload(self, path: str, job: WriteJob) -> Dict[str, Value]:
+        if path not in self._kept:
+            raise ValueError(f"{path}: an MLX folder is reloaded from the tensors kept while writing it "
+                             "(write with job.verify)")
+        return self._kept.pop(path)
+
+    def check_consumer(self, path: str, job: WriteJob, reference, quantized, prompt: torch.Tensor):
+        """mlx_lm.load(path): its logits vs our quantized model (same tensors) and vs the unquantized one."""
+        check = compare_with_mlx(path, reference, quantized, prompt)
+        ours, ref = check["mlx_vs_quantized"], check["mlx_vs_reference"]
+        rows = [  # all three models evaluated in float32 (see compare_with_mlx)
+            ("mlx-lm vs ours (fp32)", f"cosine {ours['cosine']:.6f}, SQNR {ours['sqnr_db']:.1f} dB, "
+                                      f"max |diff| {ours['max_abs_error']:.2e}"),
+            ("mlx-lm vs unquantized (fp32)", f"cosine {ref['cosine']:.5f}, SQNR {ref['sqnr_db']:.1f} dB"),
+        ]
+        return rows, {"mlx": check}
+
+
+def _keep(items, into: Dict):
+    """Pass the stream through, remembering each (name, value) in `into`."""
+    for name, value in items:
+        into[name] = value
+        yield name, value
+
+
+register_backend(MlxBackend())

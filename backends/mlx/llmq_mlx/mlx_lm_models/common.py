@@ -1,0 +1,24 @@
+"""What the mlx-lm namings share."""
+
+from __future__ import annotations
+
+from typing import Union
+
+import torch
+
+from llmq.quant.formats import GroupQuantizedWeight
+
+Value = Union[torch.Tensor, GroupQuantizedWeight]
+
+
+def split_rows(value: Value, start: int, stop: int) -> Value:
+    """Rows [start, stop) of a (possibly stacked) weight, along the output axis (-2); exact."""
+    if isinstance(value, GroupQuantizedWeight):
+        shape = tuple(value.shape[:-2]) + (stop - start, value.shape[-1])
+        return GroupQuantizedWeight(
+            qdata=value.qdata[..., start:stop, :].contiguous(),
+            scale=value.scale[..., start:stop, :].contiguous(),
+            bias=value.bias[..., start:stop, :].contiguous(),
+            bits=value.bits, group_size=value.group_size, shape=shape, dtype=value.dtype,
+        )
+    return value[..., start:stop, :].contiguous()

@@ -1,0 +1,148 @@
+"""The quantize_and_save command line: flags, --help, --list_recipes, main_for, and the wording of errors.
+
+Each model package's binary calls `main_for(ARCHITECTURE)`. --backend takes any registered backend
+(llmq.backend; `backends.registered` registers this repository's).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Sequence
+
+from absl import app, flags
+
+import backends.registered  # noqa: F401  every backend registers itself
+from llmq.backend import backend_names, get_backend
+from llmq.checkpoint import CheckpointError
+from llmq.quant.presets import all_presets
+from models.pipeline.arch import Architecture
+from models.pipeline.errors import UsageError
+from models.pipeline.run import _user_path, run
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("checkpoint", None, "Hugging Face checkpoint folder (config.json + safetensors) or a "
+                    "llama.cpp .gguf file. Omit to run the embedded default tiny model.")
+flags.DEFINE_string("recipe", None, "Recipe preset name (see --list_recipes) or a JSON/YAML recipe file.")
+flags.DEFINE_enum("backend", "bundle", backend_names(), "Terminal writer (one of the backends listed above --help's "
+                  "flags): " + "; ".join(f"{n} = {get_backend(n).description}" for n in backend_names()) + ".")
+flags.DEFINE_string("out", None, "Output folder (default: out/<arch>-<recipe>; a temp folder for the embedded default).")
+flags.DEFINE_boolean("resume", True, "Reuse finished shards of an interrupted run into the same --out.")
+flags.DEFINE_integer("max_shard_size", 2 << 30, "Maximum bytes per output shard.", lower_bound=1 << 16)
+flags.DEFINE_boolean("verify", None, "Reload the output and compare logits with the unquantized model "
+                     "(default: on for checkpoints under 4 GiB). A failed check (non-finite logits, or a logits "
+                     "cosine under --verify_min_cosine) exits with status 2 and moves the output to <out>.failed.")
+flags.DEFINE_float("verify_min_cosine", 0.9, "--verify fails below this logits cosine with the unquantized model "
+                   "(working INT4/INT8 recipes give >= 0.95; a broken one is far lower).", lower_bound=-1.0,
+                   upper_bound=1.0)
+flags.DEFINE_boolean("verify_warn_only", False, "A failed --verify only warns: the run exits 0 and the output stays "
+                     "at --out.")
+flags.DEFINE_integer("seed", 0, "Seed of the embedded default model and of the verification prompt.")
+flags.DEFINE_boolean("list_recipes", False, "Print the recipe presets and exit.")
+flags.DEFINE_boolean("use_moe_quantized_op", False, "Verify with the MoE blocks running through "
+                     "torch.ops.llmq.quantized_moe_ffn (the fused C++ kernel) instead of eager PyTorch.")
+flags.DEFINE_boolean("progress", None, "Show progress bars (default: when stderr is a terminal).")
+
+
+def main_for(arch: Architecture, others: Sequence[Architecture] = ()) -> None:
+    """absl entry point of a model's quantize_and_save binary; `others` are the architectures of the
+    sibling binaries (a checkpoint of one of them is told which target to use)."""
+
+    def _main(argv):
+        if len(argv) > 1:
+            print(f"error: unexpected arguments {argv[1:]} (flags are --name=value)", file=sys.stderr)
+            return 2
+        if FLAGS.list_recipes:
+            print(list_recipes(arch))
+            return 0
+        progress = sys.stderr.isatty() if FLAGS.progress is None else FLAGS.progress
+        try:
+            recipe = FLAGS.recipe
+            if recipe and os.path.sep in recipe:
+                recipe = _user_path(recipe)
+            run(arch, checkpoint=_user_path(FLAGS.checkpoint), recipe=recipe, backend=FLAGS.backend,
+                out=_user_path(FLAGS.out),
+                resume=FLAGS.resume, max_shard_size=FLAGS.max_shard_size, verify=FLAGS.verify, seed=FLAGS.seed,
+                use_moe_op=FLAGS.use_moe_quantized_op, verify_min_cosine=FLAGS.verify_min_cosine,
+                verify_warn_only=FLAGS.verify_warn_only, progress=progress, others=others)
+        except (UsageError, CheckpointError, FileExistsError) as e:
+            print(f"error: {cli_wording(str(e))}", file=sys.stderr)
+            return 2
+        except OSError as e:  # the output's place: read-only, full, under /proc, a parent that is a file
+            where = e.filename if e.filename is not None else "--out"
+            print(f"error: {where}: {e.strerror or e}", file=sys.stderr)
+            return 2
+        return 0
+
+    app.run(lambda argv: sys.exit(_main(argv)), flags_parser=parse_flags_or_exit)
+
+
+# The library's errors suggest its Python arguments; on the command line, say what the CLI offers.
+_CLI_WORDING = (
+    ("pass nonfinite='allow' or 'warn' to accept them", "quantize_and_save does not quantize NaN/Inf weights"),
+    ("pass overwrite=True to replace it", "remove it or pick another --out"),
+    ("pass resume=False", "pass --noresume"),
+)
+
+
+def cli_wording(message: str) -> str:
+    for library, cli in _CLI_WORDING:
+        message = message.replace(library, cli)
+    return message
+
+
+def list_recipes(arch: Architecture) -> str:
+    """--list_recipes: every preset name with what it does (the recipe file's description, or a
+    summary of the rules for llmq's generic presets)."""
+    presets = all_presets(arch.presets)
+    width = max(len(n) for n in presets)
+    lines = []
+    for name in sorted(presets):
+        about = arch.recipe_descriptions.get(name) if name in arch.presets else None
+        if about is None:
+            about = "generic llmq preset: " + "; ".join(
+                f"{r.pattern}{'' if r.layers is None else f' layers {list(r.layers)}'} -> "
+                f"{r.config.describe() if r.config is not None else 'kept'}" for r in presets[name].rules)
+        lines.append(f"{name:<{width}}  {about}")
+    return "\n".join(lines)
+
+
+USAGE = """Quantize a checkpoint: read -> recipe -> quantize -> write (--backend) to --out, then (--verify)
+reload the output and compare its logits with the unquantized model's. With no --checkpoint a tiny
+deterministic model of this architecture is written to a temporary folder and quantized (its output is
+deleted at exit unless --out is given). Failures: one line on stderr, exit status 2.
+"""
+
+HELP_FLAGS = ("--help", "-help", "-h", "--helpshort", "-helpshort", "-?", "--helpfull", "-helpfull")
+
+
+def backends_help() -> str:
+    """One line per registered backend: name, the formats it takes, what it writes."""
+    names = backend_names()
+    width = max(len(n) for n in names)
+    return "backends (--backend):\n" + "\n".join(
+        f"  {n:<{width}}  {get_backend(n).description} [formats: {', '.join(get_backend(n).accepts_formats)}]"
+        for n in names)
+
+
+def parse_flags_or_exit(argv):
+    """absl's parser, but --help lists this tool's flags (absl would list only the main module's,
+    and this one is not it) and the backends, and exits 0; a bad flag is one line on stderr and exit
+    status 2."""
+    asked = [a.split("=", 1)[0] for a in argv[1:] if a.split("=", 1)[0] in HELP_FLAGS]
+    if asked:
+        prog = os.path.basename(argv[0]) if argv else "quantize_and_save"
+        print(f"usage: {prog} [--checkpoint=DIR|FILE.gguf] [--recipe=NAME|FILE] [--backend={'|'.join(backend_names())}] "
+              "[--out=DIR] [flags]\n")
+        print(USAGE)
+        print(backends_help() + "\n")
+        if asked[0].endswith("helpfull"):
+            print(FLAGS.get_help())
+        else:
+            print(FLAGS.module_help(sys.modules[__name__]))
+        sys.exit(0)
+    try:
+        return FLAGS(argv)
+    except flags.Error as e:
+        print(f"error: {e} (see --help)", file=sys.stderr)
+        sys.exit(2)

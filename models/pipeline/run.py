@@ -1,0 +1,263 @@
+"""The job: input -> recipe -> (quantize) -> backend.write -> summary, then --verify.
+
+Order: backend, recipe and input are checked, then the checkpoint's tensor names and shapes
+against the model built from its config (from the headers, before anything is written), then the
+backend refuses what it cannot write (backend.check), then the stream is written (checked again
+item by item; the backend publishes the output only when the whole stream passed), then --verify
+reloads the published output (models/pipeline/verify.py); if that fails the output is moved to
+<out>.failed and the run fails (unless verify_warn_only). Nothing global changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import sys
+import tempfile
+import time
+from typing import Dict, Optional, Sequence
+
+import torch
+
+from llmq.backend import BackendError, WriteJob, get_backend
+from llmq.checkpoint import checkpoint_shapes
+from llmq.quant import QuantRecipe, dequantize, is_quantized, load_recipe, quantize_stream
+from llmq.quant.formats import nbytes_of
+from models.pipeline import sources, verify as verification
+from models.pipeline.arch import Architecture, quantizable_module
+from models.pipeline.checks import check_headers, checked_stream, expected_tensors
+from models.pipeline.errors import UsageError
+from models.pipeline.report import format_table
+
+VERIFY_LIMIT_BYTES = 4 << 30
+
+
+class _Tally:
+    """Counts what flows through the stream: tensors, quantized tensors, bytes in and out."""
+
+    def __init__(self):
+        self.tensors = self.quantized = self.bytes_in = self.bytes_out = 0
+
+    def before(self, items):
+        for name, value in items:
+            self.bytes_in += nbytes_of(value)
+            yield name, value
+
+    def after(self, items):
+        for name, value in items:
+            self.tensors += 1
+            self.quantized += is_quantized(value)
+            self.bytes_out += nbytes_of(value)
+            yield name, value
+
+
+def _progress(items, total: int, desc: str, enabled: bool):
+    if not enabled:
+        return items
+    from tqdm import tqdm
+
+    return tqdm(items, total=total, desc=desc, unit="tensor", file=sys.stderr, leave=False)
+
+
+def run(arch: Architecture, *, checkpoint: Optional[str], recipe: Optional[str], backend: str, out: Optional[str],
+        resume: bool, max_shard_size: int, verify: Optional[bool], seed: int, progress: bool,
+        use_moe_op: bool = False, verify_min_cosine: float = 0.9, verify_warn_only: bool = False,
+        others: Sequence[Architecture] = ()) -> Dict:
+    """The whole job; returns the numbers it printed (for tests)."""
+    try:
+        writer = get_backend(backend)
+    except ValueError as e:
+        raise UsageError(f"--backend: {e}") from None
+    recipe_name = recipe or arch.default_recipe
+    try:
+        quant_recipe: QuantRecipe = load_recipe(recipe_name, presets=arch.presets)
+        quant_recipe.check_formats(writer.accepts_formats, f"--backend {backend}")  # before any work
+    except ValueError as e:
+        raise UsageError(f"--recipe: {e}") from None
+
+    with contextlib.ExitStack() as stack:
+        workdir = None
+        if checkpoint is None:
+            kind = "embedded"
+            workdir = stack.enter_context(tempfile.TemporaryDirectory(prefix=f"llmq-{arch.name}-"))
+            checkpoint = sources.write_embedded(arch, workdir, seed)
+            if out is None:
+                out = os.path.join(workdir, "out")
+                print(f"[embedded default] output goes to {out}, a temporary folder deleted at exit "
+                      "(pass --out=DIR to keep it)")
+            else:
+                print(f"[embedded default] output kept at {out}; the temporary checkpoint is deleted at exit")
+        else:
+            kind = sources.check_path(arch, checkpoint)
+        out = out or _user_path(os.path.join("out", f"{arch.name}-{os.path.basename(recipe_name)}"))
+        _check_out(out)
+        source = sources.open_source(arch, checkpoint, kind, others, workdir=workdir)
+        config = source.config
+
+        # The model's parameter list (names and shapes); the checkpoint is checked against it
+        # before anything is written (HF headers) and again as it streams (every input).
+        expected = expected_tensors(arch, config)
+        names = None
+        if not source.from_gguf:
+            shapes = checkpoint_shapes(checkpoint, key_map=arch.key_map)
+            if shapes is not None:
+                names = check_headers(arch, shapes, getattr(config, "num_experts", 0), expected, checkpoint)
+        names = names if names is not None else expected.required()
+        _check_recipe(quant_recipe, recipe_name, arch, config, expected)
+
+        def model_stream(notes=None):
+            return checked_stream(source.stream(notes), expected, checkpoint)
+
+        if verify is None:
+            verify = kind == "embedded" or source.size_bytes < VERIFY_LIMIT_BYTES
+        job = _write_job(arch, source, writer.name, out, quant_recipe, recipe_name, max_shard_size, resume, verify)
+        try:
+            getattr(writer, "check", lambda job: None)(job)
+        except BackendError as e:
+            raise UsageError(str(e)) from None
+
+        tally = _Tally()
+        start = time.perf_counter()
+        gguf_notes = []
+        stream = tally.before(model_stream(gguf_notes))
+        if writer.takes_float:  # the backend quantizes: it gets float tensors (a GGUF's quantized ones dequantized)
+            stream = _as_float(stream)
+        else:
+            stream = quantize_stream(stream, quant_recipe, num_layers=arch.num_layers(config),
+                                     module_of=quantizable_module)
+        stream = _progress(tally.after(stream), len(names), "quantize", progress)
+        try:
+            written = writer.write(stream, job)
+        except BackendError as e:
+            raise UsageError(str(e)) from None
+        seconds = time.perf_counter() - start
+        for note in gguf_notes:
+            print(f"note: {note}")
+
+        if writer.takes_float:  # the backend quantized: what it wrote is on disk
+            tally.bytes_out = _folder_bytes(written)
+            written_row = f"{tally.tensors} model tensors in, quantized by the backend"
+        else:
+            written_row = f"{tally.tensors} ({tally.quantized} quantized)"
+        rows = [
+            ("architecture", arch.name),
+            ("recipe", recipe_name),
+            ("backend", backend),
+            ("output", written),
+            ("tensors written", written_row),
+            ("bytes before", f"{tally.bytes_in:,}"),
+            ("bytes after", f"{tally.bytes_out:,} ({tally.bytes_out / max(tally.bytes_in, 1):.3f}x)"),
+            ("time", f"{seconds:.2f} s"),
+        ]
+        rows += getattr(writer, "summary", lambda path, job: [])(written, job)
+        if source.from_gguf:
+            rows.insert(1, ("input", f"GGUF {checkpoint}"))
+        result = {"bundle": written, "tensors": tally.tensors, "quantized": tally.quantized,
+                  "bytes_in": tally.bytes_in, "bytes_out": tally.bytes_out, "progress_total": len(names)}
+        failure = None
+        if verify:
+            check_rows, check, failure = verification.verify(
+                arch, config, source, writer, job, written, lambda: model_stream(), seed=seed,
+                min_cosine=verify_min_cosine, use_moe_op=use_moe_op)
+            rows += check_rows
+            result.update(check)
+        elif use_moe_op:
+            raise UsageError("--use_moe_quantized_op needs --verify (it checks the op against the eager path)")
+        else:
+            rows.append(("verification", "not run (--verify to run it)"))
+        result["verification_failure"] = failure
+        output_row = rows.index(("output", written))
+        if failure and not verify_warn_only:
+            failed = _move_aside(written)
+            rows[output_row] = ("output", f"moved to {failed} (failed verification)")
+            result["bundle"] = failed
+            print(format_table(rows))
+            raise UsageError(f"--verify: {failure}; the output was moved to {failed} "
+                             "(--verify_warn_only keeps it at --out)")
+        print(format_table(rows))
+        if failure:
+            print(f"warning: --verify: {failure}; the output at {written} is kept (--verify_warn_only)",
+                  file=sys.stderr)
+        if kind == "embedded":
+            print("[embedded default] pass --checkpoint=<HF folder> to quantize a real model")
+        return result
+
+
+def _write_job(arch: Architecture, source, backend: str, out: str, recipe: QuantRecipe, recipe_name: str,
+               max_shard_size: int, resume: bool, verify: bool) -> WriteJob:
+    def to_hf(name, value):
+        return arch.to_hf_tensors(name, value)
+
+    def from_hf(tensors):
+        return arch.merge_experts(tensors) if arch.merge_experts is not None else tensors
+
+    return WriteJob(
+        out=out, recipe=recipe, recipe_name=recipe_name, architecture=arch.name, hf_config=source.hf_config,
+        model_config=source.config, num_layers=arch.num_layers(source.config), to_hf=to_hf, from_hf=from_hf,
+        source_files=source.source_files, tokenizer_files=source.tokenizer_files,
+        source_kind=source.kind, max_shard_bytes=max_shard_size, resume=resume,
+        metadata={"architecture": arch.name, "backend": backend, "recipe": recipe_name}, verify=verify)
+
+
+def _as_float(items):
+    """Quantized values (a GGUF's exact imports) dequantized to the dtype they were quantized from."""
+    for name, value in items:
+        yield name, value if isinstance(value, torch.Tensor) else dequantize(value)
+
+
+def _folder_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
+
+
+def _check_out(out: str) -> None:
+    """--out must be a folder or not exist yet, and its nearest existing parent a folder."""
+    if os.path.lexists(out) and not os.path.isdir(out):
+        raise UsageError(f"--out {out}: exists and is not a folder")
+    parent = os.path.dirname(os.path.abspath(out))
+    while not os.path.lexists(parent) and os.path.dirname(parent) != parent:
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise UsageError(f"--out {out}: {parent} is a file, not a folder")
+
+
+def _move_aside(path: str) -> str:
+    """Move an output that failed verification out of --out's place: `<out>.failed`."""
+    failed = path.rstrip(os.sep) + ".failed"
+    if os.path.isdir(failed):
+        shutil.rmtree(failed)
+    elif os.path.lexists(failed):
+        os.unlink(failed)
+    os.rename(path, failed)
+    return failed
+
+
+def _check_recipe(recipe: QuantRecipe, recipe_name: str, arch: Architecture, config, expected) -> None:
+    """Before anything is written: every integer group size divides the dimension it groups, and
+    a recipe that quantizes nothing is said out loud."""
+    bound = recipe.bind(arch.num_layers(config))
+    quantized = 0
+    for name, shape in expected.shapes.items():
+        module = quantizable_module(name)
+        cfg = bound.get_config(module) if module is not None else None
+        if cfg is None:
+            continue
+        quantized += 1
+        if getattr(cfg, "format", "int") != "int" or not shape:
+            continue
+        k = shape[-1]
+        gs = cfg.group_size_for(k)
+        if gs <= 0 or k % gs:
+            raise UsageError(f"--recipe {recipe_name}: group_size={gs} does not divide the input dimension K={k} "
+                             f"of {name} (shape {list(shape)})")
+    if quantized == 0:
+        print(f"warning: --recipe {recipe_name}: no rule quantizes any of the model's {len(expected.shapes)} "
+              "tensors; the output will hold them all unquantized", file=sys.stderr)
+
+
+def _user_path(path: Optional[str]) -> Optional[str]:
+    """`bazel run` starts the binary in its runfiles tree: relative paths mean the user's cwd."""
+    base = os.environ.get("BUILD_WORKING_DIRECTORY")
+    if path is None or base is None or os.path.isabs(path):
+        return path
+    return os.path.join(base, os.path.expanduser(path))
