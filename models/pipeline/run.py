@@ -94,6 +94,10 @@ def run(arch: Architecture, *, checkpoint: Optional[str], recipe: Optional[str],
         _check_out(out)
         source = sources.open_source(arch, checkpoint, kind, others, workdir=workdir)
         config = source.config
+        if source.from_gguf and getattr(writer, "needs_tokenizer_files", False):
+            # the GGUF's tokenizer (tokenizer.ggml.*) as tokenizer.json + tokenizer_config.json
+            tokenizer_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix=f"llmq-{arch.name}-tokenizer-"))
+            source.tokenizer_files = sources.gguf_tokenizer_files(checkpoint, tokenizer_dir)
 
         # The model's parameter list (names and shapes); the checkpoint is checked against it
         # before anything is written (HF headers) and again as it streams (every input).

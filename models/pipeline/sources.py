@@ -126,6 +126,19 @@ def open_source(arch: Architecture, checkpoint: str, kind: str, others: Sequence
                   tokenizer_files=tokenizer, size_bytes=size)
 
 
+def gguf_tokenizer_files(checkpoint: str, folder: str) -> Tuple[str, ...]:
+    """A GGUF file's tokenizer written into `folder` as the files transformers and mlx_lm load; () if
+    the file carries no tokenizer."""
+    from models.common.tokenizer import has_tokenizer, write_tokenizer_files
+
+    if not has_tokenizer(checkpoint):
+        return ()
+    try:
+        return tuple(os.path.join(folder, f) for f in write_tokenizer_files(checkpoint, folder))
+    except ValueError as e:
+        raise UsageError(f"--checkpoint {checkpoint}: its tokenizer cannot be rebuilt ({e})") from None
+
+
 def _refuse_other_config(arch: Architecture, others: Sequence[Architecture], hf_config: Dict, checkpoint: str) -> None:
     if arch.reads(hf_config):
         return

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Callable, Dict, List, Optional, Tuple
 
+from models.common.text_check import DEFAULT_PROMPT, text_agreement, text_rows
+from models.common.tokenizer import has_tokenizer, load_tokenizer
 from models.pipeline.arch import Architecture
 from models.pipeline.errors import UsageError
 from models.pipeline.quantized_model import build_quantized_model
@@ -42,6 +44,11 @@ def verify(arch: Architecture, config, source, backend, job, path: str, referenc
         ("greedy (quantized)", " ".join(map(str, check["tokens_quantized"]))),
     ]
     failure = verdict(check, min_cosine=min_cosine)
+    if source.kind != "embedded" and has_tokenizer(source.path):
+        step(f"verify: the source's tokenizer turns {DEFAULT_PROMPT!r} into ids; greedy text from both models")
+        text = text_agreement(load_tokenizer(source.path), reference, quantized)
+        result["text"] = text
+        rows += text_rows(text)
     consumer = getattr(backend, "check_consumer", None)
     if consumer is not None and failure is None:
         step(f"verify: loading {path} as its consumer does (--backend {backend.name}) and comparing its logits")

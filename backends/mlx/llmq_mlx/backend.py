@@ -134,13 +134,15 @@ class MlxBackend:
     description = "a folder mlx_lm.load runs (MLX affine int weights, mlx-lm names and config.json)"
     accepts_formats = ("int",)  # MLX affine weights are integer
     takes_float = False
+    needs_tokenizer_files = True  # a GGUF input's tokenizer is written out as files for mlx_lm.load
 
     def __init__(self):
         self._kept: Dict[str, Dict[str, Value]] = {}  # out -> the tensors written there, for reload
 
     def check(self, job: WriteJob) -> None:
-        if job.source_kind == "gguf":
-            raise BackendError("--backend mlx needs the tokenizer files of an HF folder; a GGUF checkpoint has none")
+        if job.source_kind == "gguf" and not job.tokenizer_files:
+            raise BackendError("--backend mlx needs a tokenizer; this GGUF checkpoint carries none "
+                               "(no tokenizer.ggml.* metadata)")
         if naming_for(job.hf_config) is None:
             raise BackendError(f"--backend mlx: no MLX export for {job.architecture} (mlx-lm naming for model_type "
                                f"{job.hf_config.get('model_type')!r}: llmq_mlx.mlx_lm_models)")

@@ -11,9 +11,9 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any, Dict, Mapping, Optional
 
-from llmq_mlx.mlx_lm_models import gemma4, qwen3_5_moe
+from llmq_mlx.mlx_lm_models import gemma3_text, gemma4, qwen3_5_moe
 
-_MODULES = (gemma4, qwen3_5_moe)
+_MODULES = (gemma3_text, gemma4, qwen3_5_moe)
 BY_MODEL_TYPE: Dict[str, ModuleType] = {t: m for m in _MODULES for t in m.HF_MODEL_TYPES}
 
 
