@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.common.cache import KVCache, ModelCache, attention
+from models.common.mlp import GatedMLP
 from models.common.rope import apply_rope, default_inv_freq, rope_cos_sin
 from models.qwen.config import ModelConfig
 from models.qwen.delta_rule import chunked_delta_rule, recurrent_delta_rule
@@ -154,19 +155,6 @@ class GatedAttention(nn.Module):
         return self.o_proj(out)
 
 
-class MLP(nn.Module):
-    """SwiGLU feed-forward (the shared expert)."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class Router(nn.Module):
     """Top-k softmax router: probabilities over all experts, top-k kept and renormalised to sum 1."""
 
@@ -235,7 +223,7 @@ class SparseMoeBlock(nn.Module):
         self.top_k = config.num_experts_per_tok
         self.gate = Router(config)
         self.experts = Experts(config)
-        self.shared_expert = MLP(config.hidden_size, config.shared_expert_intermediate_size)
+        self.shared_expert = GatedMLP(config.hidden_size, config.shared_expert_intermediate_size, config.hidden_act)
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
