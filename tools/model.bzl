@@ -5,7 +5,7 @@ pipeline.py (the spec: `ARCHITECTURE`), quantize_and_save.py, recipes/*.json, an
 model_test.py (parity with transformers) and keymap_test.py. The macro declares:
 
   :model              py_library   the module code (every *.py but the files below and tests)
-  :gguf_checkpoint    py_library   gguf_checkpoint.py (--checkpoint=model.gguf)
+  :gguf_checkpoint    py_library   gguf_checkpoint.py (--checkpoint=model.gguf; gguf_import = False: none)
   :mlx_export         py_library   mlx_export.py            (mlx_export = True)
   :pipeline           py_library   pipeline.py + recipes/*.json
   :quantize_and_save  py_binary    the main job
@@ -21,6 +21,7 @@ _SPEC_FILES = ["export.py", "export_pte.py", "gguf_checkpoint.py", "mlx_export.p
 
 def llmq_model(
         model_deps = [],
+        gguf_import = True,
         gguf_deps = [],
         mlx_export = False,
         export = False,
@@ -33,6 +34,7 @@ def llmq_model(
 
     Args:
       model_deps: extra deps of :model (another model's :model whose modules it reuses).
+      gguf_import: the package has gguf_checkpoint.py (GGUF input).
       gguf_deps: extra deps of :gguf_checkpoint (another model's converter it extends).
       mlx_export: the package has mlx_export.py.
       export: the package has export.py (torch.export .pt2) and export_pte.py (ExecuTorch).
@@ -49,12 +51,14 @@ def llmq_model(
         data = native.glob(["configs/*.json"]),
         deps = ["//models:init", "//models/common"] + model_deps,
     )
-    native.py_library(
-        name = "gguf_checkpoint",
-        srcs = ["gguf_checkpoint.py"],
-        deps = [":model", "//models/pipeline", "//python/llmq/quant"] + gguf_deps,
-    )
-    pipeline_deps = [":gguf_checkpoint", ":model", "//models/pipeline"]
+    pipeline_deps = [":model", "//models/pipeline"]
+    if gguf_import:
+        native.py_library(
+            name = "gguf_checkpoint",
+            srcs = ["gguf_checkpoint.py"],
+            deps = [":model", "//models/pipeline", "//python/llmq/quant"] + gguf_deps,
+        )
+        pipeline_deps.append(":gguf_checkpoint")
     if mlx_export:
         native.py_library(
             name = "mlx_export",

@@ -14,10 +14,9 @@ attention, RoPE types other than default and linear, activations other than gelu
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Dict
+from typing import ClassVar, Dict, Tuple
 
-from models.common.hf_config import (check_activation, check_heads, check_layer_types, check_rope_per_layer_type,
-                                     known_values, periodic_layer_types, text_config)
+from models.common.hf_config import known_values, periodic_layer_types, text_config
 from models.gemma4 import config as gemma4_config
 from models.gemma4.config import LAYER_TYPES, LayerGeometry
 
@@ -41,6 +40,8 @@ class ModelConfig(gemma4_config.ModelConfig):
     norm_offset: ClassVar[float] = 1.0  # RMSNorm scales by 1 + weight
     value_norm: ClassVar[bool] = False
     layer_scalar: ClassVar[bool] = False
+    family: ClassVar[str] = "Gemma 3"
+    rope_types: ClassVar[Tuple[str, ...]] = ROPE_TYPES
 
     @property
     def attention_scaling(self) -> float:
@@ -48,7 +49,7 @@ class ModelConfig(gemma4_config.ModelConfig):
 
     @classmethod
     def from_hf_dict(cls, config: dict) -> "ModelConfig":
-        config = text_config(config, TEXT_MODEL_TYPES, MULTIMODAL_MODEL_TYPES, "Gemma 3")
+        config = text_config(config, TEXT_MODEL_TYPES, MULTIMODAL_MODEL_TYPES, cls.family)
         if config.get("attn_logit_softcapping") is not None:
             raise NotImplementedError("config: attn_logit_softcapping is not supported (no Gemma 3 release uses it)")
         if config.get("use_bidirectional_attention"):
@@ -65,12 +66,6 @@ class ModelConfig(gemma4_config.ModelConfig):
         result = cls(**values)
         result.validate()
         return result
-
-    def validate(self) -> None:
-        check_layer_types(self.layer_types, self.num_hidden_layers, LAYER_TYPES)
-        check_rope_per_layer_type(self.rope_parameters, self.layer_types, ROPE_TYPES)
-        check_activation("hidden_activation", self.hidden_activation, "gelu_pytorch_tanh", "Gemma 3")
-        check_heads(self.num_attention_heads, self.num_key_value_heads)
 
 
 def _rope_parameters(config: dict) -> Dict[str, dict]:

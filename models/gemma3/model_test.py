@@ -1,8 +1,7 @@
 """Parity of models.gemma3 with transformers' Gemma3ForCausalLM on tiny random configs.
 
-Both read the same save_pretrained folder and run in float32 on CPU. Tolerance from fp32 rounding
-(as for Gemma 4): an equivalent order of operations differs by a few ulps per op, accumulated over
-~10^2 dependent ops; we allow ATOL = 2e-5 * max|logit| (~170 ulps at the logit scale). The prompt
+Both read the same save_pretrained folder and run in float32 on CPU, within models.common.parity's
+FP32_REL_TOL (derived there from fp32 rounding). The prompt
 (11 tokens) is longer than the sliding window (4), so decode exercises window eviction.
 """
 
@@ -15,7 +14,6 @@ from models.gemma3.config import ModelConfig
 from models.gemma3.model import build_model
 from models.gemma3.pipeline import ARCHITECTURE
 
-REL_TOL = 2e-5
 LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention", "full_attention"]
 
 
@@ -58,7 +56,7 @@ def checkpoint(request, tmp_path_factory):
 
 
 def test_prefill_and_decode_match_transformers(checkpoint):
-    parity.check_prefill_and_decode(ARCHITECTURE, *checkpoint, REL_TOL, vocab=96)
+    parity.check_prefill_and_decode(ARCHITECTURE, *checkpoint, vocab=96)
 
 
 def test_generate_matches_transformers_greedy(checkpoint):
@@ -84,10 +82,8 @@ def test_hub_style_config_reads_like_transformers():
             assert mine.get("factor", 1.0) == ref.get("factor", 1.0), t
 
 
-def test_multimodal_layout_loads_the_same(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("gemma3_src")
-    _save_random(folder)
-    parity.check_multimodal_layout_loads_the_same(ARCHITECTURE, folder, tmp_path_factory.mktemp("gemma3_mm"), "gemma3", {
+def test_multimodal_layout_loads_the_same(checkpoint, tmp_path):
+    parity.check_multimodal_layout_loads_the_same(ARCHITECTURE, checkpoint[0], tmp_path, "gemma3", {
         "model.vision_tower.vision_model.embeddings.patch_embedding.weight": torch.zeros(2, 2),
         "model.multi_modal_projector.mm_input_projection_weight": torch.zeros(2, 2)})
 

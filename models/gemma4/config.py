@@ -60,10 +60,12 @@ class ModelConfig:
     value_norm: ClassVar[bool] = True  # a scale-free RMSNorm on v
     layer_scalar: ClassVar[bool] = True  # a learned per-layer output scalar
     attention_scaling: ClassVar[float] = 1.0  # softmax(scaling * q.k)
+    family: ClassVar[str] = "Gemma 4"
+    rope_types: ClassVar[Tuple[str, ...]] = ROPE_TYPES
 
     @classmethod
     def from_hf_dict(cls, config: dict) -> "ModelConfig":
-        config = text_config(config, TEXT_MODEL_TYPES, MULTIMODAL_MODEL_TYPES, "Gemma 4")
+        config = text_config(config, TEXT_MODEL_TYPES, MULTIMODAL_MODEL_TYPES, cls.family)
         _refuse_unsupported(config)
         values = known_values(cls, config, exclude=("layer_geometry", "rope_parameters", "layer_types"))
         num_layers = values.get("num_hidden_layers", cls.num_hidden_layers)
@@ -81,9 +83,10 @@ class ModelConfig:
         return result
 
     def validate(self) -> None:
+        """Also Gemma 3's (its config is this class with other defaults, ``family`` and ``rope_types``)."""
         check_layer_types(self.layer_types, self.num_hidden_layers, LAYER_TYPES)
-        check_rope_per_layer_type(self.rope_parameters, self.layer_types, ROPE_TYPES)
-        check_activation("hidden_activation", self.hidden_activation, "gelu_pytorch_tanh", "Gemma 4")
+        check_rope_per_layer_type(self.rope_parameters, self.layer_types, self.rope_types)
+        check_activation("hidden_activation", self.hidden_activation, "gelu_pytorch_tanh", self.family)
         for i, g in enumerate(self.layer_geometry):
             check_heads(self.num_attention_heads, g.num_key_value_heads, where=f"layer {i}: ")
 

@@ -21,7 +21,9 @@ from typing import Optional
 import torch
 from torch import nn
 
-from models.common.cache import KVCache, ModelCache, attention
+from models.common.build import build_on_device
+from models.common.cache import KVCache, attention
+from models.common.causal_lm import CausalLM
 from models.common.mlp import GatedMLP
 from models.common.norm import RMSNorm
 from models.common.rope import apply_rope, rope_cos_sin
@@ -110,7 +112,7 @@ class TextModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=config.norm_offset)
 
 
-class Gemma4ForCausalLM(nn.Module):
+class Gemma4ForCausalLM(CausalLM):
     """The text model plus (tied) LM head. ``forward(input_ids [B, S], cache=None) -> logits [B, S, V]``."""
 
     def __init__(self, config: ModelConfig):
@@ -127,26 +129,17 @@ class Gemma4ForCausalLM(nn.Module):
                 self.inv_freq[layer_type] = rope_inv_freq(config.rope_parameters[layer_type], head_dim)
         self.tie_weights()
 
-    def tie_weights(self) -> None:
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def new_cache(self, batch_size: int = 1) -> ModelCache:
-        return ModelCache(layers=[layer.new_state() for layer in self.model.layers])
-
-    def forward(self, input_ids: torch.Tensor, cache: Optional[ModelCache] = None) -> torch.Tensor:
-        position = 0 if cache is None else cache.position
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         embed = self.model.embed_tokens
         # The scale is rounded to the weight dtype first, as in the reference (sqrt(5376) -> 73.5 in bf16).
-        hidden = embed(input_ids) * torch.tensor(self.embed_scale, dtype=embed.weight.dtype)
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device) + position
-        tables = {t: rope_cos_sin(f, positions, hidden.dtype) for t, f in self.inv_freq.items()}
-        for i, layer in enumerate(self.model.layers):
-            cos, sin = tables[layer.layer_type]
-            hidden = layer(hidden, cos, sin, position, None if cache is None else cache.layers[i])
-        if cache is not None:
-            cache.position += input_ids.shape[1]
-        logits = self.lm_head(self.model.norm(hidden))
+        return embed(input_ids) * torch.tensor(self.embed_scale, dtype=embed.weight.dtype)
+
+    def rope_for(self, positions: torch.Tensor, dtype: torch.dtype):
+        tables = {t: rope_cos_sin(f, positions, dtype) for t, f in self.inv_freq.items()}
+        return lambda layer: tables[layer.layer_type]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden)
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
@@ -156,12 +149,7 @@ class Gemma4ForCausalLM(nn.Module):
 def build_model(config: ModelConfig, device: str | torch.device = "meta", dtype: torch.dtype = torch.float32,
                 model_class: type = Gemma4ForCausalLM):
     """Construct the model on ``device`` (meta: no memory) in ``dtype``; on a real device, random-initialised."""
-    with torch.device(device):
-        model = model_class(config)
-    model = model.to(dtype=dtype)
-    if torch.device(device).type != "meta":
-        init_weights(model)
-    return model
+    return build_on_device(model_class, config, device, dtype, init_weights)
 
 
 @torch.no_grad()

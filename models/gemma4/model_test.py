@@ -1,9 +1,7 @@
 """Parity of models.gemma4 with transformers' Gemma4ForCausalLM on tiny random configs.
 
-Both read the same save_pretrained folder and run in float32 on CPU. Tolerance from fp32 rounding:
-a different but equivalent order of operations differs by a few ulps per op, accumulated over
-~10^2 dependent ops; we allow ATOL = 2e-5 * max|logit| (~170 ulps at the logit scale).
-The prompt (11 tokens) is longer than the sliding window (4), so decode exercises window eviction.
+Both read the same save_pretrained folder and run in float32 on CPU, within models.common.parity's
+FP32_REL_TOL (derived there from fp32 rounding). The prompt (11 tokens) is longer than the sliding window (4), so decode exercises window eviction.
 """
 
 import json
@@ -20,7 +18,6 @@ from models.gemma4.config import ModelConfig
 from models.gemma4.model import build_model
 from models.gemma4.pipeline import ARCHITECTURE
 
-REL_TOL = 2e-5
 LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention", "full_attention"]
 
 
@@ -59,7 +56,7 @@ def checkpoint(request, tmp_path_factory):
 
 
 def test_prefill_and_decode_match_transformers(checkpoint):
-    parity.check_prefill_and_decode(ARCHITECTURE, *checkpoint, REL_TOL, vocab=96)
+    parity.check_prefill_and_decode(ARCHITECTURE, *checkpoint, vocab=96)
 
 
 def test_generate_matches_transformers_greedy(checkpoint):
@@ -89,10 +86,8 @@ def test_raw_hub_style_config_gives_the_same_geometry():
     assert config.layer_geometry == saved.layer_geometry
 
 
-def test_multimodal_layout_loads_the_same(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("gemma4_src")
-    _save_random(folder)
-    parity.check_multimodal_layout_loads_the_same(ARCHITECTURE, folder, tmp_path_factory.mktemp("gemma4_mm"), "gemma4", {
+def test_multimodal_layout_loads_the_same(checkpoint, tmp_path):
+    parity.check_multimodal_layout_loads_the_same(ARCHITECTURE, checkpoint[0], tmp_path, "gemma4", {
         "model.vision_tower.encoder.layers.0.mlp.up_proj.linear.weight": torch.zeros(2, 2),
         "model.embed_vision.embedding_projection.weight": torch.zeros(2, 2)})
 

@@ -1,9 +1,7 @@
 """Parity of models.qwen with transformers' Qwen3_5MoeForCausalLM on a tiny random config.
 
-Both models read the same save_pretrained folder and run in float32 on CPU. The tolerance is
-derived from fp32 rounding: two implementations of the same math in a different order differ by
-a few ulps per operation, accumulated over ~10^2 dependent operations per layer; we allow
-ATOL = 2e-5 * max|logit| (about 170 float32 ulps of the largest logit; logits here are O(1)).
+Both models read the same save_pretrained folder and run in float32 on CPU, within
+models.common.parity's FP32_REL_TOL (derived there from fp32 rounding).
 """
 
 import json
@@ -22,7 +20,6 @@ from models.qwen.delta_rule import chunked_delta_rule, recurrent_delta_rule
 from models.qwen.model import build_model
 from models.qwen.pipeline import ARCHITECTURE
 
-REL_TOL = 2e-5
 
 
 def tiny_hf_config(**overrides):
@@ -52,7 +49,7 @@ def checkpoint(tmp_path_factory):
 
 
 def test_prefill_and_decode_match_transformers(checkpoint):
-    parity.check_prefill_and_decode(ARCHITECTURE, *checkpoint, REL_TOL, vocab=96)
+    parity.check_prefill_and_decode(ARCHITECTURE, *checkpoint, vocab=96)
 
 
 def test_long_prefill_crosses_delta_rule_chunks(checkpoint):
@@ -63,7 +60,7 @@ def test_long_prefill_crosses_delta_rule_chunks(checkpoint):
     expected, actual = parity.hf_logits(hf, prompt, 1), parity.llmq_logits(ours, prompt, 1)
     scale = max(e.abs().max().item() for e in expected)
     worst = max((a - e).abs().max().item() for a, e in zip(actual, expected))
-    assert worst <= REL_TOL * scale, f"max abs error {worst} > {REL_TOL} * {scale}"
+    assert worst <= parity.FP32_REL_TOL * scale, f"max abs error {worst} > {parity.FP32_REL_TOL} * {scale}"
 
 
 def test_chunked_delta_rule_equals_recurrent():
