@@ -5,6 +5,10 @@ from typing import List, Sequence
 
 import torch
 
+# Parity tolerance in float32 on CPU: an equivalent order of operations differs by a few ulps per op,
+# accumulated over ~10^2 dependent ops; allow 2e-5 * max|logit| (~170 ulps at the logit scale).
+FP32_REL_TOL = 2e-5
+
 
 def hf_logits(hf, prompt: torch.Tensor, steps: int) -> List[torch.Tensor]:
     """transformers: prefill `prompt`, then `steps` greedy decode steps; logits of each call."""
@@ -39,3 +43,86 @@ def assert_logits_match(name: str, expected: Sequence[torch.Tensor], actual: Seq
     assert worst <= rel_tol * scale, f"max abs error {worst} > {rel_tol} * {scale}"
     for a, e in zip(actual, expected):  # greedy paths agree token for token
         assert torch.equal(a[:, -1].argmax(-1), e[:, -1].argmax(-1))
+
+
+# The test bodies every model's model_test / keymap_test / param_count_test shares, driven by the model's
+# spec (models/<m>/pipeline.py's ARCHITECTURE) and a transformers model saved to `folder`.
+
+def check_prefill_and_decode(spec, folder, hf, vocab: int, rel_tol: float = FP32_REL_TOL, prompt_len: int = 11, steps: int = 8):
+    """Prefill a random [2, prompt_len] prompt, then `steps` greedy decode steps: logits within rel_tol."""
+    from models.common.loading import load_model
+
+    ours = load_model(spec, folder, device="cpu").eval()
+    prompt = torch.randint(0, vocab, (2, prompt_len), generator=torch.Generator().manual_seed(1))
+    assert_logits_match(spec.name, hf_logits(hf, prompt, steps), llmq_logits(ours, prompt, steps), rel_tol)
+
+
+def check_greedy_generate(spec, folder, hf, prompt: List[int], new_tokens: int = 6) -> None:
+    """models.common.generation.generate equals transformers' greedy generate token for token."""
+    from models.common.generation import generate
+    from models.common.loading import load_model
+
+    ours = load_model(spec, folder, device="cpu").eval()
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        expected = hf.generate(ids, max_new_tokens=new_tokens, do_sample=False)
+    assert torch.equal(generate(ours, ids, new_tokens, eos_token_id=getattr(ours.config, "eos_token_id", None)),
+                       expected)
+
+
+def check_multimodal_layout_loads_the_same(spec, folder, target, model_type: str, extra_tensors, tensors=None):
+    """The text checkpoint in `folder` rewritten in the multimodal layout (``model.language_model.`` prefix,
+    `extra_tensors` of the towers to skip, config under ``text_config``) in `target` loads to the same state.
+    `tensors`: the text tensors to write (default: folder's model.safetensors)."""
+    import json
+    import os
+
+    from safetensors.torch import load_file, save_file
+
+    from models.common.loading import load_model
+
+    tensors = load_file(os.path.join(folder, "model.safetensors")) if tensors is None else tensors
+    renamed = {("model.language_model." + n[len("model."):] if n.startswith("model.") else n): t.contiguous()
+               for n, t in tensors.items()}
+    renamed.update(extra_tensors)
+    save_file(renamed, os.path.join(target, "model.safetensors"))
+    with open(os.path.join(folder, "config.json")) as f:
+        text = json.load(f)
+    with open(os.path.join(target, "config.json"), "w") as f:
+        json.dump({"model_type": model_type, "text_config": text}, f)
+    a, b = load_model(spec, folder).state_dict(), load_model(spec, target).state_dict()
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def check_gguf_names_round_trip(spec, anchors) -> None:
+    """On the spec's embedded-default model (meta device): HF name -> GGUF name (the spec's GGUF table) ->
+    HF name is the identity on every tensor, every GGUF name is distinct, and each of `anchors`
+    ({GGUF name: HF name}, facts from llama.cpp's files) is in the table."""
+    import re
+
+    table = spec.gguf_import.GGUFConverter.GGUF_TO_HF
+    model = spec.build_model(spec.config_from_hf(spec.tiny_hf_config()), device="meta")
+    for gguf_name, hf_name in anchors.items():
+        assert table.get(gguf_name) == hf_name, (gguf_name, table.get(gguf_name), hf_name)
+
+    inverse = {}
+    for gguf_template, hf_template in table.items():
+        for layer in range(len(model.model.layers)) if "{L}" in gguf_template else [None]:
+            inverse[gguf_template.format(L=layer)] = hf_template.format(L=layer)
+    forward = {hf: g for g, hf in inverse.items()}
+    assert len(forward) == len(inverse)
+    names = set(model.state_dict())
+    missing = sorted(n for n in names if n not in forward)
+    assert not missing, f"model tensors without a GGUF name: {missing[:5]}"
+    for name in names:
+        assert re.match(r"^(blk\.\d+\.|token_embd|output)", forward[name]), (name, forward[name])
+        assert inverse[forward[name]] == name
+
+
+def hf_parameter_count(hf_model_class, hf_config) -> int:
+    """Distinct parameter elements of a transformers model built on the meta device (tied weights once)."""
+    with torch.device("meta"):
+        hf = hf_model_class(hf_config)
+    return sum(p.numel() for p in {id(p): p for p in hf.parameters()}.values())

@@ -13,9 +13,11 @@ attention, RoPE types other than default and linear, activations other than gelu
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
-from typing import ClassVar, Dict, List, Optional, Tuple
+from dataclasses import dataclass
+from typing import ClassVar, Dict, Tuple
 
+from models.common.hf_config import known_values, periodic_layer_types, text_config
+from models.gemma4 import config as gemma4_config
 from models.gemma4.config import LAYER_TYPES, LayerGeometry
 
 TEXT_MODEL_TYPES = ("gemma3_text",)
@@ -24,32 +26,22 @@ ROPE_TYPES = ("default", "linear")
 
 
 @dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(gemma4_config.ModelConfig):
+    """Gemma 4's fields (attention_k_eq_v unused: every layer has v_proj) with Gemma 3's defaults, plus
+    query_pre_attn_scalar. rope_parameters per layer type: {"rope_type": "default"|"linear", "rope_theta", "factor"};
+    layer_geometry is the same for every layer."""
+
     vocab_size: int = 262_208
-    hidden_size: int = 2304
-    intermediate_size: int = 9216
     num_hidden_layers: int = 26
-    num_attention_heads: int = 8
-    num_key_value_heads: int = 4
-    head_dim: int = 256
-    hidden_activation: str = "gelu_pytorch_tanh"
-    rms_norm_eps: float = 1e-6
-    tie_word_embeddings: bool = True
-    attention_bias: bool = False
     sliding_window: int = 4096
     query_pre_attn_scalar: float = 256
-    final_logit_softcapping: Optional[float] = None
-    layer_types: List[str] = field(default_factory=list)
-    # per layer type: {"rope_type": "default"|"linear", "rope_theta": float, "factor": float}
-    rope_parameters: Dict[str, dict] = field(default_factory=dict)
-    layer_geometry: Tuple[LayerGeometry, ...] = ()  # the same for every layer (for the shared Gemma modules)
-    eos_token_id: Optional[object] = None
-    pad_token_id: Optional[int] = None
 
     # What the Gemma module code (models/gemma4/model.py) asks of a config.
     norm_offset: ClassVar[float] = 1.0  # RMSNorm scales by 1 + weight
     value_norm: ClassVar[bool] = False
     layer_scalar: ClassVar[bool] = False
+    family: ClassVar[str] = "Gemma 3"
+    rope_types: ClassVar[Tuple[str, ...]] = ROPE_TYPES
 
     @property
     def attention_scaling(self) -> float:
@@ -57,28 +49,15 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, config: dict) -> "ModelConfig":
-        model_type = config.get("model_type")
-        if model_type in MULTIMODAL_MODEL_TYPES:
-            if not isinstance(config.get("text_config"), dict):
-                raise ValueError(f"config.json: model_type {model_type!r} needs a 'text_config' object")
-            config = dict(config["text_config"])
-            config.setdefault("model_type", TEXT_MODEL_TYPES[0])
-            model_type = config["model_type"]
-        if model_type not in TEXT_MODEL_TYPES:
-            raise ValueError(f"config.json: model_type {model_type!r} is not a Gemma 3 text model "
-                             f"(expected one of {TEXT_MODEL_TYPES + MULTIMODAL_MODEL_TYPES})")
+        config = text_config(config, TEXT_MODEL_TYPES, MULTIMODAL_MODEL_TYPES, cls.family)
         if config.get("attn_logit_softcapping") is not None:
             raise NotImplementedError("config: attn_logit_softcapping is not supported (no Gemma 3 release uses it)")
         if config.get("use_bidirectional_attention"):
             raise NotImplementedError("config: use_bidirectional_attention is not supported (causal text model only)")
-        known = {f.name for f in fields(cls)} - {"layer_geometry", "rope_parameters", "layer_types"}
-        values = {k: v for k, v in config.items() if k in known and v is not None}
+        values = known_values(cls, config, exclude=("layer_geometry", "rope_parameters", "layer_types", "attention_k_eq_v"))
         num_layers = values.get("num_hidden_layers", cls.num_hidden_layers)
-        layer_types = list(config.get("layer_types") or [])
-        if not layer_types:
-            pattern = int(config.get("sliding_window_pattern") or 6)
-            layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
-        values["layer_types"] = layer_types
+        values["layer_types"] = list(config.get("layer_types") or periodic_layer_types(
+            num_layers, int(config.get("sliding_window_pattern") or 6), "sliding_attention"))
         values["rope_parameters"] = _rope_parameters(config)
         head_dim = int(values.get("head_dim", cls.head_dim))
         geometry = LayerGeometry(head_dim=head_dim, has_v_proj=True,
@@ -87,22 +66,6 @@ class ModelConfig:
         result = cls(**values)
         result.validate()
         return result
-
-    def validate(self) -> None:
-        if len(self.layer_types) != self.num_hidden_layers:
-            raise ValueError(f"config: layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
-        unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
-        if unknown:
-            raise ValueError(f"config: unknown layer types {unknown} (expected {LAYER_TYPES})")
-        for layer_type in set(self.layer_types):
-            rope = self.rope_parameters.get(layer_type)
-            if not isinstance(rope, dict) or rope.get("rope_type", "default") not in ROPE_TYPES:
-                raise NotImplementedError(f"config: rope_parameters[{layer_type!r}] = {rope!r}; "
-                                          f"only {ROPE_TYPES} RoPE is supported")
-        if self.hidden_activation != "gelu_pytorch_tanh":
-            raise NotImplementedError(f"config: hidden_activation {self.hidden_activation!r} (Gemma 3 uses gelu_pytorch_tanh)")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"config: {self.num_attention_heads} heads not a multiple of {self.num_key_value_heads} kv heads")
 
 
 def _rope_parameters(config: dict) -> Dict[str, dict]:

@@ -20,8 +20,7 @@ without a mapping (e.g. the vision tower of a multimodal GGUF, which llama.cpp w
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Tuple
-
+from typing import Any, Dict
 
 from llmq.quant import GroupQuantizedWeight
 from models.gemma3 import keymap
@@ -88,15 +87,14 @@ def hf_config_from_gguf(metadata: Dict[str, Any], tensors: GGUFTensors) -> Dict[
 class GGUFConverter(gemma4_gguf.GGUFConverter):
     """Gemma 4's converter with Gemma 3's name table, plus the norm shift undone."""
 
-    GGUF_TO_HF = keymap.GGUF_TO_HF
     GGUF_ARCH = GGUF_ARCH
+    GGUF_TO_HF = keymap.GGUF_TO_HF
+    UNMAPPED = (f"the text stack's gguf-py {GGUF_ARCH.upper()} names are supported; vision tensors are not")
 
-    def convert(self, name: str, value: Value) -> List[Tuple[str, Value]]:
-        out = []
-        for model_name, converted in super().convert(name, value):
-            if model_name.endswith("norm.weight"):
-                if isinstance(converted, GroupQuantizedWeight):
-                    raise ValueError(f"{name}: a quantized norm weight cannot have llama.cpp's +1 removed exactly")
-                converted = converted.float() - 1.0
-            out.append((model_name, converted))
-        return out
+    def undo(self, hf_name: str, name: str, value: Value) -> Value:
+        value = super().undo(hf_name, name, value)
+        if hf_name.endswith("norm.weight"):
+            if isinstance(value, GroupQuantizedWeight):
+                raise ValueError(f"{name}: a quantized norm weight cannot have llama.cpp's +1 removed exactly")
+            value = value.float() - 1.0
+        return value

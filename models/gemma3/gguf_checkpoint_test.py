@@ -19,7 +19,7 @@ from llmq.checkpoint import load_bundle
 from llmq.quant import GroupQuantizedWeight
 from llmq.quant.formats import dequantize_canonical
 from models.gemma3.config import ModelConfig
-from models.gemma3.loading import load_model
+from models.common.loading import load_model
 from models.gemma3.pipeline import ARCHITECTURE
 from models.pipeline import gguf_input
 from models.pipeline.quantize_and_save import run
@@ -97,7 +97,7 @@ def converted(tmp_path_factory):
 
 def test_gguf_config_equals_hf_config(converted):
     folder, path, _ = converted
-    from_hf = load_model(folder).config
+    from_hf = load_model(ARCHITECTURE, folder).config
     from_gguf = ModelConfig.from_hf_dict(gguf_input.hf_config(ARCHITECTURE, str(path)))
     assert from_gguf.rms_norm_eps == float(np.float32(from_hf.rms_norm_eps))  # GGUF stores float32 (as used)
     same = dict(eos_token_id=1, rms_norm_eps=from_hf.rms_norm_eps)
@@ -106,7 +106,7 @@ def test_gguf_config_equals_hf_config(converted):
 
 def test_gguf_weights_equal_hf_weights(converted):
     folder, path, quantized = converted
-    expected = load_model(folder).state_dict()
+    expected = load_model(ARCHITECTURE, folder).state_dict()
     config = ModelConfig.from_hf_dict(gguf_input.hf_config(ARCHITECTURE, str(path)))
     got = dict(gguf_input.model_tensors(ARCHITECTURE, str(path), config))
     assert set(got) == set(expected) - {"lm_head.weight"}

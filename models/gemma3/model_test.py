@@ -1,26 +1,19 @@
 """Parity of models.gemma3 with transformers' Gemma3ForCausalLM on tiny random configs.
 
-Both read the same save_pretrained folder and run in float32 on CPU. Tolerance from fp32 rounding
-(as for Gemma 4): an equivalent order of operations differs by a few ulps per op, accumulated over
-~10^2 dependent ops; we allow ATOL = 2e-5 * max|logit| (~170 ulps at the logit scale). The prompt
+Both read the same save_pretrained folder and run in float32 on CPU, within models.common.parity's
+FP32_REL_TOL (derived there from fp32 rounding). The prompt
 (11 tokens) is longer than the sliding window (4), so decode exercises window eviction.
 """
 
-import json
-import os
-
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-from models.common.generation import generate
-from models.common.parity import assert_logits_match, hf_logits, llmq_logits
+from models.common import parity
 from models.gemma3.config import ModelConfig
-from models.gemma3.loading import load_model
 from models.gemma3.model import build_model
+from models.gemma3.pipeline import ARCHITECTURE
 
-REL_TOL = 2e-5
 LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention", "full_attention"]
 
 
@@ -63,19 +56,11 @@ def checkpoint(request, tmp_path_factory):
 
 
 def test_prefill_and_decode_match_transformers(checkpoint):
-    folder, hf = checkpoint
-    ours = load_model(folder, device="cpu").eval()
-    prompt = torch.randint(0, 96, (2, 11), generator=torch.Generator().manual_seed(1))
-    assert_logits_match("gemma3", hf_logits(hf, prompt, 8), llmq_logits(ours, prompt, 8), REL_TOL)
+    parity.check_prefill_and_decode(ARCHITECTURE, *checkpoint, vocab=96)
 
 
 def test_generate_matches_transformers_greedy(checkpoint):
-    folder, hf = checkpoint
-    ours = load_model(folder, device="cpu").eval()
-    prompt = torch.tensor([[5, 17, 3, 42, 8, 9, 60]])
-    with torch.no_grad():
-        expected = hf.generate(prompt, max_new_tokens=6, do_sample=False)
-    assert torch.equal(generate(ours, prompt, 6, eos_token_id=None), expected)
+    parity.check_greedy_generate(ARCHITECTURE, *checkpoint, [5, 17, 3, 42, 8, 9, 60])
 
 
 def test_hub_style_config_reads_like_transformers():
@@ -97,20 +82,10 @@ def test_hub_style_config_reads_like_transformers():
             assert mine.get("factor", 1.0) == ref.get("factor", 1.0), t
 
 
-def test_multimodal_layout_loads_the_same(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("gemma3_src")
-    _save_random(folder)
-    tensors = load_file(os.path.join(folder, "model.safetensors"))
-    renamed = {("model.language_model." + n[len("model."):] if n.startswith("model.") else n): t
-               for n, t in tensors.items()}
-    renamed["model.vision_tower.vision_model.embeddings.patch_embedding.weight"] = torch.zeros(2, 2)
-    renamed["model.multi_modal_projector.mm_input_projection_weight"] = torch.zeros(2, 2)
-    target = tmp_path_factory.mktemp("gemma3_mm")
-    save_file(renamed, os.path.join(target, "model.safetensors"))
-    with open(os.path.join(target, "config.json"), "w") as f:
-        json.dump({"model_type": "gemma3", "text_config": json.load(open(os.path.join(folder, "config.json")))}, f)
-    a, b = load_model(folder).state_dict(), load_model(target).state_dict()
-    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+def test_multimodal_layout_loads_the_same(checkpoint, tmp_path):
+    parity.check_multimodal_layout_loads_the_same(ARCHITECTURE, checkpoint[0], tmp_path, "gemma3", {
+        "model.vision_tower.vision_model.embeddings.patch_embedding.weight": torch.zeros(2, 2),
+        "model.multi_modal_projector.mm_input_projection_weight": torch.zeros(2, 2)})
 
 
 def test_unsupported_variants_are_refused():

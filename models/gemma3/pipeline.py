@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-import os
-
-from models.gemma3 import gguf_checkpoint, keymap
-from models.gemma3.config import ModelConfig
-from models.gemma3.model import build_model
-from models.pipeline.arch import Architecture, recipe_files
-
-RECIPES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "recipes")
+from models.gemma3 import config, gguf_checkpoint, keymap, model
+from models.gemma4 import model as gemma4_model
+from models.pipeline.arch import package_architecture
 
 
 def tiny_hf_config() -> dict:
@@ -26,25 +21,7 @@ def tiny_hf_config() -> dict:
     ).to_dict()
 
 
-def prepare_default(model) -> None:
-    """Make the random embedded default behave like a trained model: embeddings of unit RMS after the
-    sqrt(hidden) scale, and post-norm scales 1/sqrt(2L) (scaled residual init), so that the 2L blocks'
-    random outputs do not swamp the residual stream. Gemma 3 norms store scale - 1."""
-    residual_gain = (2 * len(model.model.layers)) ** -0.5
-    embed = model.model.embed_tokens.weight
-    embed.normal_(0.0, embed.shape[1] ** -0.5)
-    for name, module in model.named_modules():
-        if name.endswith(("post_attention_layernorm", "post_feedforward_layernorm")):
-            module.weight.fill_(residual_gain - 1.0)
-
-
-ARCHITECTURE = Architecture(
-    name="gemma3",
-    tiny_hf_config=tiny_hf_config,
-    config_from_hf=ModelConfig.from_hf_dict,
-    build_model=build_model,
-    key_map=keymap.hf_to_llmq_key,
-    presets=recipe_files(RECIPES),
-    prepare_default=prepare_default,
-    gguf_import=gguf_checkpoint,
+ARCHITECTURE = package_architecture(
+    "gemma3", __file__, config=config, model=model, keymap=keymap, tiny_hf_config=tiny_hf_config,
+    prepare_default=gemma4_model.prepare_default, gguf_import=gguf_checkpoint,
 )

@@ -12,12 +12,16 @@ MoE blocks (26B-A4B), per-layer input embeddings and KV sharing (the E2B/E4B mod
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import ClassVar, Dict, List, Optional, Tuple
+
+from models.common.hf_config import (check_activation, check_heads, check_layer_types, check_rope_per_layer_type,
+                                     known_values, periodic_layer_types, text_config)
 
 TEXT_MODEL_TYPES = ("gemma4_text",)
 MULTIMODAL_MODEL_TYPES = ("gemma4",)
 LAYER_TYPES = ("sliding_attention", "full_attention")
+ROPE_TYPES = ("default", "proportional")
 
 
 @dataclass(frozen=True)
@@ -56,28 +60,16 @@ class ModelConfig:
     value_norm: ClassVar[bool] = True  # a scale-free RMSNorm on v
     layer_scalar: ClassVar[bool] = True  # a learned per-layer output scalar
     attention_scaling: ClassVar[float] = 1.0  # softmax(scaling * q.k)
+    family: ClassVar[str] = "Gemma 4"
+    rope_types: ClassVar[Tuple[str, ...]] = ROPE_TYPES
 
     @classmethod
     def from_hf_dict(cls, config: dict) -> "ModelConfig":
-        model_type = config.get("model_type")
-        if model_type in MULTIMODAL_MODEL_TYPES:
-            if not isinstance(config.get("text_config"), dict):
-                raise ValueError(f"config.json: model_type {model_type!r} needs a 'text_config' object")
-            config = dict(config["text_config"])
-            config.setdefault("model_type", TEXT_MODEL_TYPES[0])
-            model_type = config["model_type"]
-        if model_type not in TEXT_MODEL_TYPES:
-            raise ValueError(
-                f"config.json: model_type {model_type!r} is not a Gemma 4 text model "
-                f"(expected one of {TEXT_MODEL_TYPES + MULTIMODAL_MODEL_TYPES})"
-            )
+        config = text_config(config, TEXT_MODEL_TYPES, MULTIMODAL_MODEL_TYPES, cls.family)
         _refuse_unsupported(config)
-        known = {f.name for f in fields(cls)} - {"layer_geometry", "rope_parameters", "layer_types"}
-        values = {k: v for k, v in config.items() if k in known and v is not None}
+        values = known_values(cls, config, exclude=("layer_geometry", "rope_parameters", "layer_types"))
         num_layers = values.get("num_hidden_layers", cls.num_hidden_layers)
-        layer_types = list(config.get("layer_types") or [])
-        if not layer_types:
-            layer_types = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(num_layers)]
+        layer_types = list(config.get("layer_types") or periodic_layer_types(num_layers, 6, "sliding_attention"))
         if layer_types and layer_types[-1] != "full_attention":
             layer_types[-1] = "full_attention"  # transformers forces this too
         values["layer_types"] = layer_types
@@ -91,22 +83,12 @@ class ModelConfig:
         return result
 
     def validate(self) -> None:
-        if len(self.layer_types) != self.num_hidden_layers:
-            raise ValueError(f"config: layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
-        unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
-        if unknown:
-            raise ValueError(f"config: unknown layer types {unknown} (expected {LAYER_TYPES})")
-        for layer_type in set(self.layer_types):
-            rope = self.rope_parameters.get(layer_type)
-            if not isinstance(rope, dict) or rope.get("rope_type", "default") not in ("default", "proportional"):
-                raise NotImplementedError(
-                    f"config: rope_parameters[{layer_type!r}] = {rope!r}; only 'default' and 'proportional' RoPE are supported"
-                )
-        if self.hidden_activation != "gelu_pytorch_tanh":
-            raise NotImplementedError(f"config: hidden_activation {self.hidden_activation!r} (Gemma 4 uses gelu_pytorch_tanh)")
+        """Also Gemma 3's (its config is this class with other defaults, ``family`` and ``rope_types``)."""
+        check_layer_types(self.layer_types, self.num_hidden_layers, LAYER_TYPES)
+        check_rope_per_layer_type(self.rope_parameters, self.layer_types, self.rope_types)
+        check_activation("hidden_activation", self.hidden_activation, "gelu_pytorch_tanh", self.family)
         for i, g in enumerate(self.layer_geometry):
-            if self.num_attention_heads % g.num_key_value_heads:
-                raise ValueError(f"config: layer {i}: {self.num_attention_heads} heads not a multiple of {g.num_key_value_heads} kv heads")
+            check_heads(self.num_attention_heads, g.num_key_value_heads, where=f"layer {i}: ")
 
 
 def _refuse_unsupported(config: dict) -> None:

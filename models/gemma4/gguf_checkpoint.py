@@ -21,20 +21,19 @@ sharing (E2B/E4B), partial RoPE on sliding layers, and any tensor without a mapp
 
 from __future__ import annotations
 
-import re
 from typing import Any, Dict, List, Tuple
 
 import torch
 
 from llmq.quant import GroupQuantizedWeight
 from llmq.quant.formats import dequantize_canonical
+from models.common.keymap import TableConverter
 from models.gemma4 import keymap
 from models.pipeline.gguf_input import GGUFTensors, Metadata, Value
 
 GGUF_ARCH = "gemma4"
 ROPE_FREQS = "rope_freqs.weight"
 EMBEDDING = "model.embed_tokens.weight"
-_BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
 # llama.cpp marks an unrotated frequency pair with this factor (its freq is divided by it).
 _UNROTATED_FACTOR = 1e29
 
@@ -108,28 +107,22 @@ def _full_rope(m: Metadata, tensors: GGUFTensors, head_dim: int) -> Dict[str, An
     return {"rope_type": "proportional", "partial_rotary_factor": 2 * rotated / head_dim, "rope_theta": theta}
 
 
-class GGUFConverter:
-    """``convert(gguf_name, value) -> [(model_name, value)]``, one GGUF tensor at a time.
+class GGUFConverter(TableConverter):
+    """``convert(gguf_name, value) -> [(model_name, value)]``, one GGUF tensor at a time (the shared
+    table converter, models/common/keymap.py). Gemma 3's converter is this one with its own table."""
 
-    Gemma 3's converter (models/gemma3/gguf_checkpoint.py) is this one with its own name table."""
-
-    GGUF_TO_HF = keymap.GGUF_TO_HF
     GGUF_ARCH = GGUF_ARCH
-
-    def __init__(self, config):
-        self.config = config
-        self.notes: List[str] = []
+    GGUF_TO_HF = keymap.GGUF_TO_HF
+    KEY_MAP = staticmethod(keymap.hf_to_llmq_key)
+    UNMAPPED = (f"the dense text stack's gguf-py {GGUF_ARCH.upper()} names are supported; MoE and per-layer-embedding "
+                f"tensors are not")
 
     def convert(self, name: str, value: Value) -> List[Tuple[str, Value]]:
         if name == ROPE_FREQS:
             return []  # read into the config's full-attention rope_parameters
-        match = _BLOCK.match(name)
-        layer, template = (int(match.group(1)), f"blk.{{L}}.{match.group(2)}") if match else (None, name)
-        hf_template = self.GGUF_TO_HF.get(template)
-        if hf_template is None:
-            raise ValueError(f"GGUF tensor {name!r} has no {self.GGUF_ARCH} mapping (the dense text stack's gguf-py "
-                             f"{self.GGUF_ARCH.upper()} names are supported; MoE and per-layer-embedding tensors are not)")
-        hf_name = hf_template.format(L=layer)
+        return super().convert(name, value)
+
+    def undo(self, hf_name: str, name: str, value: Value) -> Value:
         if hf_name.endswith(".layer_scalar"):
             if not isinstance(value, torch.Tensor) or value.numel() != 1:
                 raise ValueError(f"{name}: expected one float (the layer's output scale)")
@@ -140,7 +133,4 @@ class GGUFConverter:
             self.notes.append(f"{name}: quantized ({value.bits}-bit) in the GGUF; imported dequantized (exact "
                               f"float32 values) because the Gemma model needs a dense embedding")
             value = dequantize_canonical(value)
-        return [(keymap.hf_to_llmq_key(hf_name), value)]
-
-    def close(self) -> None:
-        pass
+        return value

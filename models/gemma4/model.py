@@ -19,10 +19,12 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from models.common.cache import KVCache, ModelCache, attention
+from models.common.build import build_on_device
+from models.common.cache import KVCache, attention
+from models.common.causal_lm import CausalLM
+from models.common.mlp import GatedMLP
 from models.common.norm import RMSNorm
 from models.common.rope import apply_rope, rope_cos_sin
 from models.gemma4.config import ModelConfig
@@ -76,19 +78,6 @@ class Attention(nn.Module):
         return self.o_proj(out)
 
 
-class MLP(nn.Module):
-    """GeGLU: down(gelu_tanh(gate(x)) * up(x))."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
@@ -96,7 +85,7 @@ class DecoderLayer(nn.Module):
         self.window = config.sliding_window if self.layer_type == "sliding_attention" else None
         d, eps, offset = config.hidden_size, config.rms_norm_eps, config.norm_offset
         self.self_attn = Attention(config, layer_idx)
-        self.mlp = MLP(d, config.intermediate_size)
+        self.mlp = GatedMLP(d, config.intermediate_size, config.hidden_activation)
         self.input_layernorm = RMSNorm(d, eps, offset=offset)
         self.post_attention_layernorm = RMSNorm(d, eps, offset=offset)
         self.pre_feedforward_layernorm = RMSNorm(d, eps, offset=offset)
@@ -123,7 +112,7 @@ class TextModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=config.norm_offset)
 
 
-class Gemma4ForCausalLM(nn.Module):
+class Gemma4ForCausalLM(CausalLM):
     """The text model plus (tied) LM head. ``forward(input_ids [B, S], cache=None) -> logits [B, S, V]``."""
 
     def __init__(self, config: ModelConfig):
@@ -140,26 +129,17 @@ class Gemma4ForCausalLM(nn.Module):
                 self.inv_freq[layer_type] = rope_inv_freq(config.rope_parameters[layer_type], head_dim)
         self.tie_weights()
 
-    def tie_weights(self) -> None:
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def new_cache(self, batch_size: int = 1) -> ModelCache:
-        return ModelCache(layers=[layer.new_state() for layer in self.model.layers])
-
-    def forward(self, input_ids: torch.Tensor, cache: Optional[ModelCache] = None) -> torch.Tensor:
-        position = 0 if cache is None else cache.position
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         embed = self.model.embed_tokens
         # The scale is rounded to the weight dtype first, as in the reference (sqrt(5376) -> 73.5 in bf16).
-        hidden = embed(input_ids) * torch.tensor(self.embed_scale, dtype=embed.weight.dtype)
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device) + position
-        tables = {t: rope_cos_sin(f, positions, hidden.dtype) for t, f in self.inv_freq.items()}
-        for i, layer in enumerate(self.model.layers):
-            cos, sin = tables[layer.layer_type]
-            hidden = layer(hidden, cos, sin, position, None if cache is None else cache.layers[i])
-        if cache is not None:
-            cache.position += input_ids.shape[1]
-        logits = self.lm_head(self.model.norm(hidden))
+        return embed(input_ids) * torch.tensor(self.embed_scale, dtype=embed.weight.dtype)
+
+    def rope_for(self, positions: torch.Tensor, dtype: torch.dtype):
+        tables = {t: rope_cos_sin(f, positions, dtype) for t, f in self.inv_freq.items()}
+        return lambda layer: tables[layer.layer_type]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden)
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
@@ -169,12 +149,7 @@ class Gemma4ForCausalLM(nn.Module):
 def build_model(config: ModelConfig, device: str | torch.device = "meta", dtype: torch.dtype = torch.float32,
                 model_class: type = Gemma4ForCausalLM):
     """Construct the model on ``device`` (meta: no memory) in ``dtype``; on a real device, random-initialised."""
-    with torch.device(device):
-        model = model_class(config)
-    model = model.to(dtype=dtype)
-    if torch.device(device).type != "meta":
-        init_weights(model)
-    return model
+    return build_on_device(model_class, config, device, dtype, init_weights)
 
 
 @torch.no_grad()
@@ -188,3 +163,26 @@ def init_weights(model: Gemma4ForCausalLM, std: float = 0.02) -> None:
     for layer in model.model.layers:
         if layer.layer_scalar is not None:
             layer.layer_scalar.fill_(1.0)
+
+
+@torch.no_grad()
+def prepare_default(model: Gemma4ForCausalLM) -> None:
+    """Make a random (embedded-default) Gemma 4 or Gemma 3 behave like a trained one in two known ways.
+
+    - Each block's output passes a post-norm, so with unit scales every block adds a unit-RMS random
+      vector to the residual stream and errors of all 2L blocks add up undamped. Use the scaled residual
+      init of GPT-2/Megatron: post-norm scales 1/sqrt(2L) (stored as scale - norm_offset), and embeddings
+      of unit RMS after Gemma's sqrt(hidden) input scaling (std 1/sqrt(hidden)), as in trained Gemmas.
+    - Where attention is unscaled (Gemma 4: scaling 1.0 after q/k RMSNorms), unit q/k gains give attention
+      logits of variance head_dim, softmax is near one-hot and any perturbation flips it. Trained models
+      learn small q/k gains; use head_dim**-0.25 each (1/sqrt(head_dim) overall).
+    """
+    config = model.config
+    residual_gain = (2 * len(model.model.layers)) ** -0.5
+    embed = model.model.embed_tokens.weight
+    embed.normal_(0.0, embed.shape[1] ** -0.5)
+    for name, module in model.named_modules():
+        if name.endswith(("q_norm", "k_norm")) and config.attention_scaling == 1.0:
+            module.weight.mul_(module.weight.shape[0] ** -0.25)
+        elif name.endswith(("post_attention_layernorm", "post_feedforward_layernorm")):
+            module.weight.fill_(residual_gain - config.norm_offset)

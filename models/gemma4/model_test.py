@@ -1,9 +1,7 @@
 """Parity of models.gemma4 with transformers' Gemma4ForCausalLM on tiny random configs.
 
-Both read the same save_pretrained folder and run in float32 on CPU. Tolerance from fp32 rounding:
-a different but equivalent order of operations differs by a few ulps per op, accumulated over
-~10^2 dependent ops; we allow ATOL = 2e-5 * max|logit| (~170 ulps at the logit scale).
-The prompt (11 tokens) is longer than the sliding window (4), so decode exercises window eviction.
+Both read the same save_pretrained folder and run in float32 on CPU, within models.common.parity's
+FP32_REL_TOL (derived there from fp32 rounding). The prompt (11 tokens) is longer than the sliding window (4), so decode exercises window eviction.
 """
 
 import json
@@ -11,17 +9,15 @@ import os
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
-from models.common.generation import generate
-from models.common.parity import assert_logits_match, hf_logits, llmq_logits
+from models.common import parity
+from models.common.loading import load_model
 from models.gemma4 import keymap
 from models.gemma4.config import ModelConfig
-from models.gemma4.loading import load_model
 from models.gemma4.model import build_model
+from models.gemma4.pipeline import ARCHITECTURE
 
-REL_TOL = 2e-5
 LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention", "full_attention"]
 
 
@@ -60,19 +56,11 @@ def checkpoint(request, tmp_path_factory):
 
 
 def test_prefill_and_decode_match_transformers(checkpoint):
-    folder, hf = checkpoint
-    ours = load_model(folder, device="cpu").eval()
-    prompt = torch.randint(0, 96, (2, 11), generator=torch.Generator().manual_seed(1))
-    assert_logits_match("gemma4", hf_logits(hf, prompt, 8), llmq_logits(ours, prompt, 8), REL_TOL)
+    parity.check_prefill_and_decode(ARCHITECTURE, *checkpoint, vocab=96)
 
 
 def test_generate_matches_transformers_greedy(checkpoint):
-    folder, hf = checkpoint
-    ours = load_model(folder, device="cpu").eval()
-    prompt = torch.tensor([[5, 17, 3, 42, 8, 9, 60]])
-    with torch.no_grad():
-        expected = hf.generate(prompt, max_new_tokens=6, do_sample=False)
-    assert torch.equal(generate(ours, prompt, 6, eos_token_id=ours.config.eos_token_id), expected)
+    parity.check_greedy_generate(ARCHITECTURE, *checkpoint, [5, 17, 3, 42, 8, 9, 60])
 
 
 def test_full_layers_have_their_own_geometry(checkpoint):
@@ -98,20 +86,10 @@ def test_raw_hub_style_config_gives_the_same_geometry():
     assert config.layer_geometry == saved.layer_geometry
 
 
-def test_multimodal_layout_loads_the_same(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("gemma4_src")
-    _save_random(folder)
-    tensors = load_file(os.path.join(folder, "model.safetensors"))
-    renamed = {("model.language_model." + n[len("model."):] if n.startswith("model.") else n): t
-               for n, t in tensors.items()}
-    renamed["model.vision_tower.encoder.layers.0.mlp.up_proj.linear.weight"] = torch.zeros(2, 2)
-    renamed["model.embed_vision.embedding_projection.weight"] = torch.zeros(2, 2)
-    target = tmp_path_factory.mktemp("gemma4_mm")
-    save_file(renamed, os.path.join(target, "model.safetensors"))
-    with open(os.path.join(target, "config.json"), "w") as f:
-        json.dump({"model_type": "gemma4", "text_config": json.load(open(os.path.join(folder, "config.json")))}, f)
-    a, b = load_model(folder).state_dict(), load_model(target).state_dict()
-    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+def test_multimodal_layout_loads_the_same(checkpoint, tmp_path):
+    parity.check_multimodal_layout_loads_the_same(ARCHITECTURE, checkpoint[0], tmp_path, "gemma4", {
+        "model.vision_tower.encoder.layers.0.mlp.up_proj.linear.weight": torch.zeros(2, 2),
+        "model.embed_vision.embedding_projection.weight": torch.zeros(2, 2)})
 
 
 def test_key_map():
@@ -140,11 +118,11 @@ def test_meta_build():
 def test_prefill_exports_and_bfloat16_tracks_float32(tmp_path_factory):
     folder = tmp_path_factory.mktemp("gemma4_export")
     _save_random(folder)
-    ours = load_model(folder).eval()
+    ours = load_model(ARCHITECTURE, folder).eval()
     prompt = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(5))
     program = torch.export.export(ours, (prompt,))
     with torch.no_grad():
         ref = ours(prompt)
         torch.testing.assert_close(program.module()(prompt), ref, rtol=1e-5, atol=1e-5)
-        low = load_model(folder, dtype=torch.bfloat16)(prompt).float()
+        low = load_model(ARCHITECTURE, folder, dtype=torch.bfloat16)(prompt).float()
     assert torch.nn.functional.cosine_similarity(ref.flatten(), low.flatten(), dim=0).item() > 0.99

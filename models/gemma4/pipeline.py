@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-from models.gemma4 import gguf_checkpoint, keymap
-from models.gemma4.config import MULTIMODAL_MODEL_TYPES, TEXT_MODEL_TYPES, ModelConfig
-from models.gemma4.model import build_model
-import os
-
-from models.pipeline.arch import Architecture, recipe_file_descriptions, recipe_files
+from models.gemma4 import config, gguf_checkpoint, keymap, model
+from models.pipeline.arch import package_architecture
 
 LAYER_TYPES = ["sliding_attention"] * 5 + ["full_attention"]
 
@@ -29,39 +25,7 @@ def tiny_hf_config() -> dict:
     ).to_dict()
 
 
-def prepare_default(model) -> None:
-    """Make the random embedded-default model behave like a trained one in two known ways.
-
-    - Gemma 4 attends with scaling 1.0 after q/k RMSNorms: with unit gains the attention logits
-      have variance head_dim, softmax is near one-hot and any perturbation flips it. Trained
-      models learn small q/k gains; use head_dim**-0.25 each (1/sqrt(head_dim) overall).
-    - Each block's output passes a post-norm, so with unit gains every block adds a unit-RMS
-      random vector to the residual stream and errors of all 2L blocks add up undamped. Use the
-      scaled residual init of GPT-2/Megatron: post-norm gains 1/sqrt(2L), and embeddings of unit
-      RMS after Gemma's sqrt(hidden) input scaling (std 1/sqrt(hidden)), as in trained Gemmas.
-    """
-    residual_gain = (2 * len(model.model.layers)) ** -0.5
-    embed = model.model.embed_tokens.weight
-    embed.normal_(0.0, embed.shape[1] ** -0.5)
-    for name, module in model.named_modules():
-        if name.endswith(("q_norm", "k_norm")):
-            module.weight.mul_(module.weight.shape[0] ** -0.25)
-        elif name.endswith(("post_attention_layernorm", "post_feedforward_layernorm")):
-            module.weight.mul_(residual_gain)
-
-
-RECIPES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "recipes")
-
-ARCHITECTURE = Architecture(
-    name="gemma4",
-    tiny_hf_config=tiny_hf_config,
-    config_from_hf=ModelConfig.from_hf_dict,
-    build_model=build_model,
-    key_map=keymap.hf_to_llmq_key,
-    presets=recipe_files(RECIPES),
-    prepare_default=prepare_default,
-    gguf_import=gguf_checkpoint,
-    hf_model_types=TEXT_MODEL_TYPES + MULTIMODAL_MODEL_TYPES,
-    target="//models/gemma4:quantize_and_save",
-    recipe_descriptions=recipe_file_descriptions(RECIPES),
+ARCHITECTURE = package_architecture(
+    "gemma4", __file__, config=config, model=model, keymap=keymap, tiny_hf_config=tiny_hf_config,
+    prepare_default=model.prepare_default, gguf_import=gguf_checkpoint,
 )

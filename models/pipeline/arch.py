@@ -91,3 +91,19 @@ def recipe_file_descriptions(folder: str) -> Dict[str, str]:
         if isinstance(data, dict) and isinstance(data.get("description"), str):
             out[name] = data["description"]
     return out
+
+
+def package_architecture(name: str, package_file: str, *, config, model, keymap, **fields) -> Architecture:
+    """A model package's Architecture from its conventional parts (models/<dir>/): ``config.ModelConfig.from_hf_dict``
+    and ``config.TEXT_MODEL_TYPES + MULTIMODAL_MODEL_TYPES``, ``model.build_model``, ``keymap.hf_to_llmq_key``,
+    the recipe files ``recipes/*.json`` (presets and their descriptions) and the target
+    ``//models/<dir>:quantize_and_save``; ``fields`` gives the rest (tiny_hf_config, gguf_import, ...)."""
+    import os
+
+    package = os.path.dirname(os.path.abspath(package_file))
+    recipes = os.path.join(package, "recipes")
+    return Architecture(
+        name=name, config_from_hf=config.ModelConfig.from_hf_dict, build_model=model.build_model,
+        key_map=keymap.hf_to_llmq_key, presets=recipe_files(recipes), recipe_descriptions=recipe_file_descriptions(recipes),
+        hf_model_types=config.TEXT_MODEL_TYPES + config.MULTIMODAL_MODEL_TYPES,
+        target=f"//models/{os.path.basename(package)}:quantize_and_save", **fields)

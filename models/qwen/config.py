@@ -7,8 +7,11 @@ its ``text_config``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import List, Optional
+
+from models.common.hf_config import (check_activation, check_heads, check_layer_types, known_values,
+                                     periodic_layer_types, text_config)
 
 TEXT_MODEL_TYPES = ("qwen3_5_moe_text",)
 MULTIMODAL_MODEL_TYPES = ("qwen3_5_moe",)
@@ -47,25 +50,14 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, config: dict) -> "ModelConfig":
         """Build from a parsed config.json (text-only or multimodal); unknown keys are ignored."""
-        model_type = config.get("model_type")
-        if model_type in MULTIMODAL_MODEL_TYPES:
-            if not isinstance(config.get("text_config"), dict):
-                raise ValueError(f"config.json: model_type {model_type!r} needs a 'text_config' object")
-            config = dict(config["text_config"], model_type=config["text_config"].get("model_type", TEXT_MODEL_TYPES[0]))
-            model_type = config["model_type"]
-        if model_type not in TEXT_MODEL_TYPES:
-            raise ValueError(
-                f"config.json: model_type {model_type!r} is not a Qwen3.5-MoE text model "
-                f"(expected one of {TEXT_MODEL_TYPES + MULTIMODAL_MODEL_TYPES})"
-            )
+        config = text_config(config, TEXT_MODEL_TYPES, MULTIMODAL_MODEL_TYPES, "Qwen3.5-MoE")
         if config.get("attn_output_gate", True) is False:
             raise NotImplementedError("config.json: attn_output_gate=false is not supported (Qwen3.5 gates attention output)")
         if config.get("norm_topk_prob", True) is False:
             raise NotImplementedError("config.json: norm_topk_prob=false is not supported (Qwen3.5 renormalises top-k)")
         if config.get("mlp_only_layers"):
             raise NotImplementedError("config.json: mlp_only_layers (dense layers among MoE layers) is not supported")
-        known = {f.name for f in fields(cls)}
-        values = {k: v for k, v in config.items() if k in known and v is not None}
+        values = known_values(cls, config)
         rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", "mrope"):
@@ -81,25 +73,15 @@ class ModelConfig:
         num_layers = values.get("num_hidden_layers", cls.num_hidden_layers)
         if not values.get("layer_types"):
             interval = int(config.get("full_attention_interval", 4))
-            values["layer_types"] = [
-                "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)
-            ]
+            values["layer_types"] = periodic_layer_types(num_layers, interval, "linear_attention")
         result = cls(**values)
         result.validate()
         return result
 
     def validate(self) -> None:
-        if len(self.layer_types) != self.num_hidden_layers:
-            raise ValueError(
-                f"config: layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers"
-            )
-        unknown = sorted(set(self.layer_types) - {"linear_attention", "full_attention"})
-        if unknown:
-            raise ValueError(f"config: unknown layer types {unknown} (expected linear_attention / full_attention)")
-        if self.hidden_act != "silu":
-            raise NotImplementedError(f"config: hidden_act {self.hidden_act!r} is not supported (Qwen3.5 uses silu)")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError("config: num_attention_heads must be a multiple of num_key_value_heads")
+        check_layer_types(self.layer_types, self.num_hidden_layers, ("linear_attention", "full_attention"))
+        check_activation("hidden_act", self.hidden_act, "silu", "Qwen3.5")
+        check_heads(self.num_attention_heads, self.num_key_value_heads)
         if self.linear_num_value_heads % self.linear_num_key_heads:
             raise ValueError("config: linear_num_value_heads must be a multiple of linear_num_key_heads")
         if not 0 < self.num_experts_per_tok <= self.num_experts:

@@ -29,7 +29,6 @@ reduces to plain RoPE for text, so the rope sections are not needed.
 
 from __future__ import annotations
 
-import re
 from typing import Any, Dict, List, Tuple
 
 import torch
@@ -43,11 +42,11 @@ from models.pipeline.gguf_input import (
     permute_rows,
     refuse_quantized,
 )
+from models.common.keymap import TableConverter, block_template
 from models.qwen import keymap
 
 GGUF_ARCH = "qwen35moe"
 
-_BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
 _PAIRS = {gate: "gate" for gate, _ in keymap.GGUF_EXPERT_PAIRS}
 _PAIRS.update({up: "up" for _, up in keymap.GGUF_EXPERT_PAIRS})
 _PAIR_TARGET = {half: target for pair, target in keymap.GGUF_EXPERT_PAIRS.items() for half in pair}
@@ -105,12 +104,17 @@ def _grouped_from_tiled(k_heads: int, v_heads: int, head_dim: int) -> torch.Tens
     return torch.arange(v_heads * head_dim).reshape(per_k, k_heads, head_dim).transpose(0, 1).reshape(-1)
 
 
-class GGUFConverter:
-    """``convert(gguf_name, value) -> [(model_name, value)]``, one GGUF tensor at a time;
-    ``close()`` checks nothing is left half-fused."""
+class GGUFConverter(TableConverter):
+    """``convert(gguf_name, value) -> [(model_name, value)]``, one GGUF tensor at a time (the shared
+    table converter, models/common/keymap.py); ``close()`` checks nothing is left half-fused."""
+
+    GGUF_ARCH = GGUF_ARCH
+    GGUF_TO_HF = keymap.GGUF_TO_HF
+    KEY_MAP = staticmethod(keymap.hf_to_llmq_key)
+    UNMAPPED = f"expected one of gguf-py's {GGUF_ARCH.upper()} tensor names used by the text model"
 
     def __init__(self, config):
-        self.config = config
+        super().__init__(config)
         self._fuser = ExpertPairFuser()
         self.notes: List[str] = self._fuser.notes
         k, v = config.linear_num_key_heads, config.linear_num_value_heads
@@ -119,25 +123,15 @@ class GGUFConverter:
         self._v_heads = _grouped_from_tiled(k, v, 1)
 
     def convert(self, name: str, value: Value) -> List[Tuple[str, Value]]:
-        match = _BLOCK.match(name)
-        if match:
-            layer, rest = int(match.group(1)), match.group(2)
-            if layer >= self.config.num_hidden_layers:
-                return []  # MTP blocks appended after the text stack
-            template = f"blk.{{L}}.{rest}"
-        else:
-            layer, template = None, name
+        layer, template = block_template(name)
+        if layer is not None and layer >= self.config.num_hidden_layers:
+            return []  # MTP blocks appended after the text stack
         if template in _PAIR_TARGET:
             target = _PAIR_TARGET[template].format(L=layer)
             return [(keymap.hf_to_llmq_key(t), v) for t, v in self._fuser.add(target, _PAIRS[template], value)]
-        hf_template = keymap.GGUF_TO_HF.get(template)
-        if hf_template is None:
-            raise ValueError(f"GGUF tensor {name!r} has no qwen35moe mapping (expected one of gguf-py's "
-                             f"QWEN35MOE tensor names used by the text model)")
-        hf_name = hf_template.format(L=layer)
-        return [(keymap.hf_to_llmq_key(hf_name), self._undo(hf_name, name, value))]
+        return super().convert(name, value)
 
-    def _undo(self, hf_name: str, name: str, value: Value) -> Value:
+    def undo(self, hf_name: str, name: str, value: Value) -> Value:
         if hf_name.endswith("norm.weight") and not hf_name.endswith("linear_attn.norm.weight"):
             return refuse_quantized(name, value, "subtracting llama.cpp's +1 on a zero-centred norm").float() - 1.0
         if hf_name.endswith(".linear_attn.A_log"):

@@ -11,27 +11,15 @@ Our module names are HF's ``Qwen3_5MoeForCausalLM`` names, so the map only
 from __future__ import annotations
 
 import re
-from typing import Dict, Optional
+from typing import Dict
 
+import gguf
 import torch
 
-_SKIP_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.")
-_TEXT_PREFIXES = (
-    ("model.language_model.", "model."),
-    ("language_model.model.", "model."),
-    ("language_model.lm_head.", "lm_head."),
-)
+from models.common.keymap import gguf_to_hf_table, text_key_map
+
+hf_to_llmq_key = text_key_map(("model.visual.", "visual.", "mtp.", "model.mtp."))
 _PER_EXPERT = re.compile(r"^(?P<prefix>model\.layers\.\d+\.mlp\.experts)\.(?P<e>\d+)\.(?P<part>gate_proj|up_proj|down_proj)\.weight$")
-
-
-def hf_to_llmq_key(hf_name: str) -> Optional[str]:
-    """llmq state-dict name for an HF tensor name, or None for tensors the text model does not use."""
-    if hf_name.startswith(_SKIP_PREFIXES):
-        return None
-    for old, new in _TEXT_PREFIXES:
-        if hf_name.startswith(old):
-            return new + hf_name[len(old):]
-    return hf_name
 
 
 def is_per_expert_key(name: str) -> bool:
@@ -86,41 +74,31 @@ def unstack_experts(name: str, tensor: torch.Tensor) -> Dict[str, torch.Tensor]:
     return {name: tensor}
 
 
-# GGUF (llama.cpp arch "qwen35moe") tensor NAMES, from gguf-py's constants (MODEL_ARCH.QWEN35MOE); {L} is
-# the block index. Names only: llama.cpp's converter also changes some VALUES (e.g. it may store
-# -exp(A_log) as ssm_a, add 1 to zero-centred norms, reshape conv1d); undoing those is the GGUF
-# importer's job and is not verified here. Expert stacks come either fused (ffn_gate_up_exps) or as
-# separate gate/up stacks, which GGUF_EXPERT_PAIRS concatenates along dim 1 into gate_up_proj.
-GGUF_TO_HF = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-    "blk.{L}.attn_norm.weight": "model.layers.{L}.input_layernorm.weight",
-    "blk.{L}.post_attention_norm.weight": "model.layers.{L}.post_attention_layernorm.weight",
-    "blk.{L}.attn_q.weight": "model.layers.{L}.self_attn.q_proj.weight",
-    "blk.{L}.attn_k.weight": "model.layers.{L}.self_attn.k_proj.weight",
-    "blk.{L}.attn_v.weight": "model.layers.{L}.self_attn.v_proj.weight",
-    "blk.{L}.attn_output.weight": "model.layers.{L}.self_attn.o_proj.weight",
-    "blk.{L}.attn_q_norm.weight": "model.layers.{L}.self_attn.q_norm.weight",
-    "blk.{L}.attn_k_norm.weight": "model.layers.{L}.self_attn.k_norm.weight",
-    "blk.{L}.attn_qkv.weight": "model.layers.{L}.linear_attn.in_proj_qkv.weight",
-    "blk.{L}.attn_gate.weight": "model.layers.{L}.linear_attn.in_proj_z.weight",
-    "blk.{L}.ssm_beta.weight": "model.layers.{L}.linear_attn.in_proj_b.weight",
-    "blk.{L}.ssm_alpha.weight": "model.layers.{L}.linear_attn.in_proj_a.weight",
-    "blk.{L}.ssm_conv1d.weight": "model.layers.{L}.linear_attn.conv1d.weight",
-    "blk.{L}.ssm_dt.bias": "model.layers.{L}.linear_attn.dt_bias",
-    "blk.{L}.ssm_a": "model.layers.{L}.linear_attn.A_log",
-    "blk.{L}.ssm_norm.weight": "model.layers.{L}.linear_attn.norm.weight",
-    "blk.{L}.ssm_out.weight": "model.layers.{L}.linear_attn.out_proj.weight",
-    "blk.{L}.ffn_gate_inp.weight": "model.layers.{L}.mlp.gate.weight",
-    "blk.{L}.ffn_gate_up_exps.weight": "model.layers.{L}.mlp.experts.gate_up_proj",
-    "blk.{L}.ffn_down_exps.weight": "model.layers.{L}.mlp.experts.down_proj",
-    "blk.{L}.ffn_gate_inp_shexp.weight": "model.layers.{L}.mlp.shared_expert_gate.weight",
-    "blk.{L}.ffn_gate_shexp.weight": "model.layers.{L}.mlp.shared_expert.gate_proj.weight",
-    "blk.{L}.ffn_up_shexp.weight": "model.layers.{L}.mlp.shared_expert.up_proj.weight",
-    "blk.{L}.ffn_down_shexp.weight": "model.layers.{L}.mlp.shared_expert.down_proj.weight",
+# GGUF (llama.cpp arch "qwen35moe") names, from gguf-py's MODEL_ARCH.QWEN35MOE table ({L}: block index),
+# which covers every tensor of the text model. Not covered by the table, because llama.cpp's converter
+# renames first (RENAMED): dt_bias (it is written as dt_proj.bias) and the expert stacks (written with a
+# .weight suffix). Names only: the converter also changes some VALUES (e.g. -exp(A_log) as ssm_a, +1 on
+# zero-centred norms, conv1d reshaped); undoing those is gguf_checkpoint.py's job. Expert stacks come
+# either fused (ffn_gate_up_exps) or as separate gate/up stacks, which GGUF_EXPERT_PAIRS concatenates
+# along dim 1 into gate_up_proj.
+_LAYER = "model.layers.{L}."
+HF_TENSORS = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight") + tuple(_LAYER + n for n in (
+    "input_layernorm.weight", "post_attention_layernorm.weight",
+    "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+    "self_attn.q_norm.weight", "self_attn.k_norm.weight",
+    "linear_attn.in_proj_qkv.weight", "linear_attn.in_proj_z.weight", "linear_attn.in_proj_b.weight",
+    "linear_attn.in_proj_a.weight", "linear_attn.conv1d.weight", "linear_attn.dt_bias", "linear_attn.A_log",
+    "linear_attn.norm.weight", "linear_attn.out_proj.weight",
+    "mlp.gate.weight", "mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.shared_expert_gate.weight",
+    "mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight", "mlp.shared_expert.down_proj.weight",
+))
+RENAMED = {
+    _LAYER + "linear_attn.dt_bias": _LAYER + "linear_attn.dt_proj.bias",
+    _LAYER + "mlp.experts.gate_up_proj": _LAYER + "mlp.experts.gate_up_proj.weight",
+    _LAYER + "mlp.experts.down_proj": _LAYER + "mlp.experts.down_proj.weight",
 }
+GGUF_TO_HF = gguf_to_hf_table(gguf.MODEL_ARCH.QWEN35MOE, HF_TENSORS, RENAMED)
 # (gate, up) GGUF expert stacks concatenated along dim 1 into the HF fused tensor.
-GGUF_EXPERT_PAIRS = {
-    ("blk.{L}.ffn_gate_exps.weight", "blk.{L}.ffn_up_exps.weight"): "model.layers.{L}.mlp.experts.gate_up_proj",
-}
+_EXPERT_HALVES = gguf_to_hf_table(gguf.MODEL_ARCH.QWEN35MOE, [_LAYER + "mlp.experts.gate_proj.weight",
+                                                                _LAYER + "mlp.experts.up_proj.weight"])
+GGUF_EXPERT_PAIRS = {tuple(_EXPERT_HALVES): _LAYER + "mlp.experts.gate_up_proj"}

@@ -19,7 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.common.cache import KVCache, ModelCache, attention
+from models.common.build import build_on_device
+from models.common.cache import KVCache, attention
+from models.common.causal_lm import CausalLM
+from models.common.mlp import GatedMLP
 from models.common.rope import apply_rope, default_inv_freq, rope_cos_sin
 from models.qwen.config import ModelConfig
 from models.qwen.delta_rule import chunked_delta_rule, recurrent_delta_rule
@@ -154,19 +157,6 @@ class GatedAttention(nn.Module):
         return self.o_proj(out)
 
 
-class MLP(nn.Module):
-    """SwiGLU feed-forward (the shared expert)."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class Router(nn.Module):
     """Top-k softmax router: probabilities over all experts, top-k kept and renormalised to sum 1."""
 
@@ -235,7 +225,7 @@ class SparseMoeBlock(nn.Module):
         self.top_k = config.num_experts_per_tok
         self.gate = Router(config)
         self.experts = Experts(config)
-        self.shared_expert = MLP(config.hidden_size, config.shared_expert_intermediate_size)
+        self.shared_expert = GatedMLP(config.hidden_size, config.shared_expert_intermediate_size, config.hidden_act)
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -280,7 +270,7 @@ class TextModel(nn.Module):
         self.norm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-class Qwen35MoeForCausalLM(nn.Module):
+class Qwen35MoeForCausalLM(CausalLM):
     """The text model plus LM head. ``forward(input_ids [B, S], cache=None) -> logits [B, S, V]``."""
 
     def __init__(self, config: ModelConfig):
@@ -292,23 +282,9 @@ class Qwen35MoeForCausalLM(nn.Module):
         self.inv_freq = default_inv_freq(config.rotary_dim, config.rope_theta)
         self.tie_weights()
 
-    def tie_weights(self) -> None:
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def new_cache(self, batch_size: int = 1) -> ModelCache:
-        return ModelCache(layers=[layer.new_state() for layer in self.model.layers])
-
-    def forward(self, input_ids: torch.Tensor, cache: Optional[ModelCache] = None) -> torch.Tensor:
-        position = 0 if cache is None else cache.position
-        hidden = self.model.embed_tokens(input_ids)
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device) + position
-        cos, sin = rope_cos_sin(self.inv_freq, positions, hidden.dtype)
-        for i, layer in enumerate(self.model.layers):
-            hidden = layer(hidden, cos, sin, position, None if cache is None else cache.layers[i])
-        if cache is not None:
-            cache.position += input_ids.shape[1]
-        return self.lm_head(self.model.norm(hidden))
+    def rope_for(self, positions: torch.Tensor, dtype: torch.dtype):
+        table = rope_cos_sin(self.inv_freq, positions, dtype)  # the same for every attention layer
+        return lambda layer: table
 
 
 def build_model(config: ModelConfig, device: str | torch.device = "meta", dtype: torch.dtype = torch.float32):
@@ -317,12 +293,7 @@ def build_model(config: ModelConfig, device: str | torch.device = "meta", dtype:
     On a real device, parameters are filled with small deterministic-by-seed random values (normal,
     std 0.02) except norms and DeltaNet decay parameters, so an unloaded model is still runnable.
     """
-    with torch.device(device):
-        model = Qwen35MoeForCausalLM(config)
-    model = model.to(dtype=dtype)
-    if torch.device(device).type != "meta":
-        init_weights(model)
-    return model
+    return build_on_device(Qwen35MoeForCausalLM, config, device, dtype, init_weights)
 
 
 @torch.no_grad()

@@ -1,9 +1,7 @@
 """Parity of models.qwen with transformers' Qwen3_5MoeForCausalLM on a tiny random config.
 
-Both models read the same save_pretrained folder and run in float32 on CPU. The tolerance is
-derived from fp32 rounding: two implementations of the same math in a different order differ by
-a few ulps per operation, accumulated over ~10^2 dependent operations per layer; we allow
-ATOL = 2e-5 * max|logit| (about 170 float32 ulps of the largest logit; logits here are O(1)).
+Both models read the same save_pretrained folder and run in float32 on CPU, within
+models.common.parity's FP32_REL_TOL (derived there from fp32 rounding).
 """
 
 import json
@@ -14,15 +12,14 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
-from models.common.generation import generate
-from models.common.parity import assert_logits_match, hf_logits, llmq_logits
+from models.common import parity
+from models.common.loading import load_model
 from models.qwen import keymap
 from models.qwen.config import ModelConfig
 from models.qwen.delta_rule import chunked_delta_rule, recurrent_delta_rule
 from models.qwen.model import build_model
-from models.qwen.loading import load_model
+from models.qwen.pipeline import ARCHITECTURE
 
-REL_TOL = 2e-5
 
 
 def tiny_hf_config(**overrides):
@@ -52,21 +49,18 @@ def checkpoint(tmp_path_factory):
 
 
 def test_prefill_and_decode_match_transformers(checkpoint):
-    folder, hf = checkpoint
-    ours = load_model(folder, device="cpu", dtype=torch.float32).eval()
-    prompt = torch.randint(0, 96, (2, 11), generator=torch.Generator().manual_seed(1))
-    assert_logits_match("qwen", hf_logits(hf, prompt, 8), llmq_logits(ours, prompt, 8), REL_TOL)
+    parity.check_prefill_and_decode(ARCHITECTURE, *checkpoint, vocab=96)
 
 
 def test_long_prefill_crosses_delta_rule_chunks(checkpoint):
     """A 70-token prompt spans two 64-token chunks of the DeltaNet prefill."""
     folder, hf = checkpoint
-    ours = load_model(folder, device="cpu", dtype=torch.float32).eval()
+    ours = load_model(ARCHITECTURE, folder, device="cpu", dtype=torch.float32).eval()
     prompt = torch.randint(0, 96, (1, 70), generator=torch.Generator().manual_seed(2))
-    expected, actual = hf_logits(hf, prompt, 1), llmq_logits(ours, prompt, 1)
+    expected, actual = parity.hf_logits(hf, prompt, 1), parity.llmq_logits(ours, prompt, 1)
     scale = max(e.abs().max().item() for e in expected)
     worst = max((a - e).abs().max().item() for a, e in zip(actual, expected))
-    assert worst <= REL_TOL * scale, f"max abs error {worst} > {REL_TOL} * {scale}"
+    assert worst <= parity.FP32_REL_TOL * scale, f"max abs error {worst} > {parity.FP32_REL_TOL} * {scale}"
 
 
 def test_chunked_delta_rule_equals_recurrent():
@@ -89,20 +83,9 @@ def test_fused_multimodal_layout_loads_the_same(checkpoint, tmp_path):
     folder, hf = checkpoint
     tensors = load_file(os.path.join(folder, "model.safetensors"))
     fused = keymap.stack_experts({keymap.hf_to_llmq_key(n): t for n, t in tensors.items()})
-    renamed = {("model.language_model." + n[len("model."):] if n.startswith("model.") else n): t.contiguous()
-               for n, t in fused.items()}
-    renamed["model.visual.blocks.0.attn.qkv.weight"] = torch.zeros(3, 3)
-    renamed["mtp.layers.0.input_layernorm.weight"] = torch.zeros(3)
-    save_file(renamed, os.path.join(tmp_path, "model.safetensors"))
-    config = json.load(open(os.path.join(folder, "config.json")))
-    with open(os.path.join(tmp_path, "config.json"), "w") as f:
-        json.dump({"model_type": "qwen3_5_moe", "text_config": config}, f)
-    a = load_model(folder, device="cpu").eval()
-    b = load_model(tmp_path, device="cpu").eval()
-    sa, sb = a.state_dict(), b.state_dict()
-    assert sa.keys() == sb.keys()
-    for name in sa:
-        assert torch.equal(sa[name], sb[name]), name
+    parity.check_multimodal_layout_loads_the_same(ARCHITECTURE, folder, tmp_path, "qwen3_5_moe", {
+        "model.visual.blocks.0.attn.qkv.weight": torch.zeros(3, 3),
+        "mtp.layers.0.input_layernorm.weight": torch.zeros(3)}, tensors=fused)
 
 
 def test_key_map_and_stacking():
@@ -125,12 +108,7 @@ def test_key_map_and_stacking():
 
 
 def test_generate_matches_transformers_greedy(checkpoint):
-    folder, hf = checkpoint
-    ours = load_model(folder, device="cpu").eval()
-    prompt = torch.tensor([[5, 17, 3, 42, 8]])
-    with torch.no_grad():
-        expected = hf.generate(prompt, max_new_tokens=6, do_sample=False)
-    assert torch.equal(generate(ours, prompt, 6), expected)
+    parity.check_greedy_generate(ARCHITECTURE, *checkpoint, [5, 17, 3, 42, 8])
 
 
 def test_meta_build_and_bad_config():
@@ -147,7 +125,7 @@ def test_shape_mismatch_names_the_tensor(checkpoint, tmp_path):
     save_file(tensors, os.path.join(tmp_path, "model.safetensors"))
     os.link(os.path.join(folder, "config.json"), os.path.join(tmp_path, "config.json"))
     with pytest.raises(ValueError, match=r"model\.norm\.weight.*\(7,\)"):
-        load_model(tmp_path)
+        load_model(ARCHITECTURE, tmp_path)
 
 
 def test_dense_expert_path_equals_sparse():
@@ -164,7 +142,7 @@ def test_dense_expert_path_equals_sparse():
 def test_prefill_exports(checkpoint):
     """torch.export captures the cache-free prefill (DeltaNet, gated attention, MoE) with eager's logits."""
     folder, _ = checkpoint
-    ours = load_model(folder).eval()
+    ours = load_model(ARCHITECTURE, folder).eval()
     prompt = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(5))
     program = torch.export.export(ours, (prompt,))
     with torch.no_grad():
@@ -175,7 +153,7 @@ def test_bfloat16_runs_and_tracks_float32(checkpoint):
     folder, _ = checkpoint
     prompt = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
     with torch.no_grad():
-        ref = load_model(folder, dtype=torch.float32)(prompt)
-        low = load_model(folder, dtype=torch.bfloat16)(prompt).float()
+        ref = load_model(ARCHITECTURE, folder, dtype=torch.float32)(prompt)
+        low = load_model(ARCHITECTURE, folder, dtype=torch.bfloat16)(prompt).float()
     cosine = torch.nn.functional.cosine_similarity(ref.flatten(), low.flatten(), dim=0).item()
     assert cosine > 0.99, cosine  # bf16 keeps ~8 bits of mantissa; logits stay aligned, not equal

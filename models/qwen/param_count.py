@@ -9,16 +9,15 @@ everything else (attention, DeltaNet, router, shared expert, norms, embeddings, 
 
 from __future__ import annotations
 
-import json
 import os
-import sys
 from typing import Dict
 
-from models.common.params import count_by_group, count_parameters, format_count
+from models.common import params
 from models.qwen.config import ModelConfig
 from models.qwen.model import build_model
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "qwen3_5_35b_a3b.json")
+ROUTED = "routed experts"
 
 
 def _group(name: str) -> str:
@@ -26,7 +25,7 @@ def _group(name: str) -> str:
         return "embed_tokens"
     if name.startswith("lm_head"):
         return "lm_head"
-    for key, group in ((".mlp.experts.", "routed experts"), (".mlp.gate.", "router"),
+    for key, group in ((".mlp.experts.", ROUTED), (".mlp.gate.", "router"),
                        (".mlp.shared_expert", "shared expert (+gate)"), (".linear_attn.", "Gated DeltaNet"),
                        (".self_attn.", "gated attention")):
         if key in name:
@@ -36,40 +35,15 @@ def _group(name: str) -> str:
 
 def parameter_counts(config: ModelConfig) -> Dict[str, int]:
     """{"total", "active", per-component groups...} for the text model built on the meta device."""
-    model = build_model(config, device="meta")
-    groups = count_by_group(model, _group)
-    total = count_parameters(model)
-    routed = groups["routed experts"]
-    active = total - routed + routed * config.num_experts_per_tok // config.num_experts
-    return {"total": total, "active": active, **groups}
+    return params.parameter_counts(build_model(config, device="meta"), _group, routed=ROUTED,
+                                   top_k=config.num_experts_per_tok, num_experts=config.num_experts)
 
 
-def main(argv=None) -> None:
-    from absl import app, flags
-
-    flags.DEFINE_string("config", DEFAULT_CONFIG, "Hugging Face config.json of a Qwen3.5-MoE model")
-
-    def run(_):
-        path = flags.FLAGS.config
-        try:
-            with open(path) as f:
-                config = ModelConfig.from_hf_dict(json.load(f))
-        except (OSError, ValueError, NotImplementedError) as exc:
-            print(f"error: {path}: {exc}", file=sys.stderr)
-            sys.exit(1)
-        counts = parameter_counts(config)
-        print(f"Qwen3.5-MoE text model from {path}")
-        print(f"  layers {config.num_hidden_layers} ({config.layer_types.count('linear_attention')} DeltaNet, "
-              f"{config.layer_types.count('full_attention')} full attention), experts {config.num_experts} top-{config.num_experts_per_tok}")
-        for name, n in counts.items():
-            if name not in ("total", "active"):
-                print(f"  {name:24s} {format_count(n)}")
-        print(f"  {'total':24s} {format_count(counts['total'])}")
-        print(f"  {'active per token':24s} {format_count(counts['active'])}")
-        print(f"  {'active w/o embeddings':24s} {format_count(counts['active'] - counts['embed_tokens'])}")
-
-    app.run(run, argv=argv)
+def _describe(config: ModelConfig) -> str:
+    return (f"layers {config.num_hidden_layers} ({config.layer_types.count('linear_attention')} DeltaNet, "
+            f"{config.layer_types.count('full_attention')} full attention), "
+            f"experts {config.num_experts} top-{config.num_experts_per_tok}")
 
 
 if __name__ == "__main__":
-    main()
+    params.main_for("Qwen3.5-MoE", DEFAULT_CONFIG, ModelConfig.from_hf_dict, parameter_counts, _describe)

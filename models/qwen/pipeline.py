@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import os
-
-from models.pipeline.arch import Architecture, recipe_file_descriptions, recipe_files
-from models.qwen import gguf_checkpoint, keymap
-from models.qwen.config import MULTIMODAL_MODEL_TYPES, TEXT_MODEL_TYPES, ModelConfig
-from models.qwen.model import build_model
+from models.pipeline.arch import package_architecture
+from models.qwen import config, gguf_checkpoint, keymap, model
 
 
 def tiny_hf_config() -> dict:
@@ -24,20 +20,8 @@ def tiny_hf_config() -> dict:
     ).to_dict()
 
 
-RECIPES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "recipes")
-
-ARCHITECTURE = Architecture(
-    name="qwen3.5-moe",
-    tiny_hf_config=tiny_hf_config,
-    config_from_hf=ModelConfig.from_hf_dict,
-    build_model=build_model,
-    key_map=keymap.hf_to_llmq_key,
-    presets=recipe_files(RECIPES),
-    is_per_expert=keymap.is_per_expert_key,
-    merge_experts=keymap.stack_experts,
-    to_hf_tensors=keymap.unstack_experts,
+ARCHITECTURE = package_architecture(
+    "qwen3.5-moe", __file__, config=config, model=model, keymap=keymap, tiny_hf_config=tiny_hf_config,
+    is_per_expert=keymap.is_per_expert_key, merge_experts=keymap.stack_experts, to_hf_tensors=keymap.unstack_experts,
     gguf_import=gguf_checkpoint,
-    hf_model_types=TEXT_MODEL_TYPES + MULTIMODAL_MODEL_TYPES,
-    target="//models/qwen:quantize_and_save",
-    recipe_descriptions=recipe_file_descriptions(RECIPES),
 )

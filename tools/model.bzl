@@ -1,0 +1,123 @@
+"""llmq_model: every Bazel target of one model package (models/<name>/), from one call.
+
+A model package holds its module code (config.py, model.py, keymap.py, ...), gguf_checkpoint.py,
+pipeline.py (the spec: `ARCHITECTURE`), quantize_and_save.py, recipes/*.json, and the standard tests
+model_test.py (parity with transformers) and keymap_test.py. The macro declares:
+
+  :model              py_library   the module code (every *.py but the files below and tests)
+  :gguf_checkpoint    py_library   gguf_checkpoint.py (--checkpoint=model.gguf; gguf_import = False: none)
+  :mlx_export         py_library   mlx_export.py            (mlx_export = True)
+  :pipeline           py_library   pipeline.py + recipes/*.json
+  :quantize_and_save  py_binary    the main job
+  :export, :export_lib, :export_pte                           (export = True: export.py, export_pte.py)
+  :param_count, :param_count_lib, :param_count_test           (param_count = True: param_count.py)
+  :model_test, :keymap_test, and one llmq_py_test per name in `tests` (<name>.py)
+"""
+
+load("//tools:pytest.bzl", "llmq_py_test")
+
+_SPEC_FILES = ["export.py", "export_pte.py", "gguf_checkpoint.py", "mlx_export.py", "param_count.py",
+               "pipeline.py", "quantize_and_save.py"]
+
+def llmq_model(
+        model_deps = [],
+        gguf_import = True,
+        gguf_deps = [],
+        mlx_export = False,
+        export = False,
+        export_deps = [],
+        param_count = False,
+        others = [],
+        tests = [],
+        exclude = []):
+    """Declares the targets above in the calling package.
+
+    Args:
+      model_deps: extra deps of :model (another model's :model whose modules it reuses).
+      gguf_import: the package has gguf_checkpoint.py (GGUF input).
+      gguf_deps: extra deps of :gguf_checkpoint (another model's converter it extends).
+      mlx_export: the package has mlx_export.py.
+      export: the package has export.py (torch.export .pt2) and export_pte.py (ExecuTorch).
+      export_deps: extra deps of the :export binary (imported only with some flag).
+      param_count: the package has param_count.py and param_count_test.py.
+      others: :pipeline targets of other architectures, so that their checkpoints given to this
+        quantize_and_save are told which target to use.
+      tests: further test files (names without .py) depending on :pipeline.
+      exclude: further *.py files that are not module code (binaries declared in the BUILD file).
+    """
+    native.py_library(
+        name = "model",
+        srcs = native.glob(["*.py"], exclude = ["*_test.py"] + _SPEC_FILES + exclude),
+        data = native.glob(["configs/*.json"]),
+        deps = ["//models:init", "//models/common"] + model_deps,
+    )
+    pipeline_deps = [":model", "//models/pipeline"]
+    if gguf_import:
+        native.py_library(
+            name = "gguf_checkpoint",
+            srcs = ["gguf_checkpoint.py"],
+            deps = [":model", "//models/pipeline", "//python/llmq/quant"] + gguf_deps,
+        )
+        pipeline_deps.append(":gguf_checkpoint")
+    if mlx_export:
+        native.py_library(
+            name = "mlx_export",
+            srcs = ["mlx_export.py"],
+            deps = [":model", "//python/llmq/quant"],
+        )
+        pipeline_deps.append(":mlx_export")
+    native.py_library(
+        name = "pipeline",
+        srcs = ["pipeline.py"],
+        data = native.glob(["recipes/*.json"]),
+        deps = pipeline_deps,
+    )
+    native.py_binary(
+        name = "quantize_and_save",
+        srcs = ["quantize_and_save.py"],
+        python_version = "PY3",
+        deps = [":pipeline"] + others,
+    )
+    if export:
+        native.py_library(
+            name = "export_lib",
+            srcs = ["export.py"],
+            deps = [":model", ":pipeline", "//models/pipeline"],
+        )
+        native.py_binary(
+            name = "export",
+            srcs = ["export.py"],
+            python_version = "PY3",
+            deps = [":export_lib"] + export_deps,
+        )
+        native.py_binary(
+            name = "export_pte",
+            srcs = ["export_pte.py"],
+            python_version = "PY3",
+            deps = [":export_lib", "//models/pipeline"],
+        )
+    if param_count:
+        native.py_library(
+            name = "param_count_lib",
+            srcs = ["param_count.py"],
+            deps = [":model"],
+        )
+        native.py_binary(
+            name = "param_count",
+            srcs = ["param_count.py"],
+            python_version = "PY3",
+            deps = [":model"],
+        )
+        llmq_py_test(
+            name = "param_count_test",
+            srcs = ["param_count_test.py"],
+            size = "medium",
+            deps = [":param_count_lib"],
+        )
+    for test in ["model_test", "keymap_test"] + tests:
+        llmq_py_test(
+            name = test,
+            srcs = [test + ".py"],
+            size = "medium",
+            deps = [":pipeline"],
+        )
