@@ -1,4 +1,4 @@
-// The IEEE-754 binary32 bit pattern of a float and back (memcpy: no aliasing UB).
+// The IEEE-754 bit pattern of a float / double and back (memcpy: no aliasing UB).
 #pragma once
 
 #include <cstdint>
@@ -6,16 +6,17 @@
 
 namespace llmq_bits {
 
-inline uint32_t float_to_bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
+template <typename To, typename From>
+inline To bit_cast(From value) {
+  static_assert(sizeof(To) == sizeof(From), "bit_cast between types of one size");
+  To out;
+  std::memcpy(&out, &value, sizeof(To));
+  return out;
 }
 
-inline float bits_to_float(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
+inline uint32_t float_to_bits(float f) { return bit_cast<uint32_t>(f); }
+inline float bits_to_float(uint32_t u) { return bit_cast<float>(u); }
+inline int64_t double_to_bits(double d) { return bit_cast<int64_t>(d); }
+inline double bits_to_double(int64_t b) { return bit_cast<double>(b); }
 
 }  // namespace llmq_bits

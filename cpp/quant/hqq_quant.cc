@@ -1,5 +1,7 @@
 #include "hqq_quant.h"
 
+#include "cpp/common/bits.h"
+
 #include "quant_kernel.h"
 
 #include <algorithm>
@@ -26,17 +28,9 @@ constexpr double kExpCoefs[] = {1.0 / 6227020800.0, 1.0 / 479001600.0, 1.0 / 399
 
 constexpr double kMagic = 6755399441055744.0;  // 1.5 * 2^52: integer <-> double by bit patterns
 
-HQQ_INLINE int64_t bits_of(double d) {
-  int64_t b;
-  std::memcpy(&b, &d, 8);
-  return b;
-}
+HQQ_INLINE int64_t bits_of(double d) { return llmq_bits::double_to_bits(d); }
 
-HQQ_INLINE double double_of(int64_t b) {
-  double d;
-  std::memcpy(&d, &b, 8);
-  return d;
-}
+HQQ_INLINE double double_of(int64_t b) { return llmq_bits::bits_to_double(b); }
 
 // hqq.pow_det for a positive normal double: a = m 2^k (m in [0.5, 1), what frexp returns),
 // m moved to [sqrt(1/2), sqrt(2)), ln m by its atanh series, exp by its Taylor series around

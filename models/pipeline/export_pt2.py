@@ -429,30 +429,43 @@ def _format_bytes(totals: Dict[str, int]) -> str:
     return ", ".join(f"{k} {v:,}" for k, v in sorted(totals.items()))
 
 
-def main_for(arch: Architecture, make_layout: Callable[[nn.Module, int], StaticCacheLayout], *,
-             dynamic_prompt: bool) -> None:
-    """absl entry point of a model's export binary."""
+def common_flags() -> Dict:
+    """The flags every export binary passes to its run(), relative paths taken from the user's cwd."""
     user_path = quantize_and_save._user_path
+    recipe = FLAGS.recipe
+    if recipe and os.path.sep in recipe:
+        recipe = user_path(recipe)
+    return dict(bundle=user_path(FLAGS.bundle), checkpoint=user_path(FLAGS.checkpoint), recipe=recipe,
+                out=user_path(FLAGS.out), max_seq_len=FLAGS.max_seq_len, decode_steps=FLAGS.decode_steps,
+                prompt_len=FLAGS.prompt_len, seed=FLAGS.seed)
+
+
+def export_main(run_once: Callable[[Dict], int], errors: Tuple[type, ...]) -> None:
+    """absl entry point: run_once(common_flags()) -> exit status; `errors` become one line and status 2."""
 
     def _main(argv):
         if len(argv) > 1:
             print(f"error: unexpected arguments {argv[1:]} (flags are --name=value)", file=sys.stderr)
             return 2
-        recipe = FLAGS.recipe
-        if recipe and os.path.sep in recipe:
-            recipe = user_path(recipe)
         try:
-            result = run(arch, make_layout, dynamic_prompt=dynamic_prompt, bundle=user_path(FLAGS.bundle),
-                         checkpoint=user_path(FLAGS.checkpoint), recipe=recipe, out=user_path(FLAGS.out),
-                         max_seq_len=FLAGS.max_seq_len, decode_steps=FLAGS.decode_steps, prompt_len=FLAGS.prompt_len,
-                         seed=FLAGS.seed, float32=FLAGS.float32, use_moe_quantized_op=FLAGS.use_moe_quantized_op,
-                         overwrite=FLAGS.overwrite)
-        except (quantize_and_save.UsageError, CheckpointError, ValueError) as e:
+            return run_once(common_flags())
+        except errors as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
+
+    app.run(lambda argv: sys.exit(_main(argv)), flags_parser=quantize_and_save.parse_flags_or_exit)
+
+
+def main_for(arch: Architecture, make_layout: Callable[[nn.Module, int], StaticCacheLayout], *,
+             dynamic_prompt: bool) -> None:
+    """absl entry point of a model's export binary."""
+
+    def run_once(flags: Dict) -> int:
+        result = run(arch, make_layout, dynamic_prompt=dynamic_prompt, float32=FLAGS.float32,
+                     use_moe_quantized_op=FLAGS.use_moe_quantized_op, overwrite=FLAGS.overwrite, **flags)
         if not result["ok"]:
             print("error: the exported programs' logits differ from eager beyond the tolerance", file=sys.stderr)
             return 1
         return 0
 
-    app.run(lambda argv: sys.exit(_main(argv)), flags_parser=quantize_and_save.parse_flags_or_exit)
+    export_main(run_once, (quantize_and_save.UsageError, CheckpointError, ValueError))

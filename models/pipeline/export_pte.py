@@ -26,14 +26,13 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import sys
 import tempfile
 import time
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
-from absl import app, flags
+from absl import flags
 from torch import nn
 
 from llmq.checkpoint import CheckpointError
@@ -342,23 +341,10 @@ def _eager_logits(steps: Dict, prompt: torch.Tensor, decode_steps: int) -> Dict:
 def main_for(arch: Architecture, make_layout: Callable[[nn.Module, int], StaticCacheLayout], *,
              dynamic_prompt: bool) -> None:
     """absl entry point of a model's export_pte binary (flags: export_pt2's and quantize_and_save's)."""
-    user_path = quantize_and_save._user_path
+    from models.pipeline.export_pt2 import export_main
 
-    def _main(argv):
-        if len(argv) > 1:
-            print(f"error: unexpected arguments {argv[1:]} (flags are --name=value)", file=sys.stderr)
-            return 2
-        recipe = FLAGS.recipe
-        if recipe and os.path.sep in recipe:
-            recipe = user_path(recipe)
-        try:
-            run(arch, make_layout, dynamic_prompt=dynamic_prompt, bundle=user_path(FLAGS.bundle),
-                checkpoint=user_path(FLAGS.checkpoint), recipe=recipe, out=user_path(FLAGS.out),
-                max_seq_len=FLAGS.max_seq_len, decode_steps=FLAGS.decode_steps, prompt_len=FLAGS.prompt_len,
-                seed=FLAGS.seed)
-        except (quantize_and_save.UsageError, CheckpointError, ValueError, ExecuTorchUnavailable) as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+    def run_once(flags) -> int:
+        run(arch, make_layout, dynamic_prompt=dynamic_prompt, **flags)
         return 0
 
-    app.run(lambda argv: sys.exit(_main(argv)), flags_parser=quantize_and_save.parse_flags_or_exit)
+    export_main(run_once, (quantize_and_save.UsageError, CheckpointError, ValueError, ExecuTorchUnavailable))

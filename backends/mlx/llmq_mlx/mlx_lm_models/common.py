@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Any, Dict, Mapping, Union
 
 import torch
 
@@ -22,3 +22,13 @@ def split_rows(value: Value, start: int, stop: int) -> Value:
             bits=value.bits, group_size=value.group_size, shape=shape, dtype=value.dtype,
         )
     return value[..., start:stop, :].contiguous()
+
+
+def special_token_ids(hf_config: Mapping[str, Any], text: Mapping[str, Any]) -> Dict[str, Any]:
+    """eos/bos/pad token ids for mlx-lm's config.json: the top-level config's, else its text config's."""
+    out = {}
+    for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
+        value = hf_config.get(key, text.get(key))
+        if value is not None:
+            out[key] = value
+    return out

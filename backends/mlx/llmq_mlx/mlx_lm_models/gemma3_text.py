@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Any, List, Tuple
 
+from llmq_mlx.mlx_lm_models.common import special_token_ids
+
 HF_MODEL_TYPES = ("gemma3_text", "gemma3")
 
 
@@ -55,8 +57,4 @@ def mlx_config(hf_config: dict, c: Any) -> dict:
     }
     if full.get("rope_type", "default") != "default":
         config["rope_scaling"] = {"rope_type": full["rope_type"], "factor": float(full.get("factor", 1.0))}
-    for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
-        value = hf_config.get(key, text.get(key))
-        if value is not None:
-            config[key] = value
-    return config
+    return dict(config, **special_token_ids(hf_config, text))

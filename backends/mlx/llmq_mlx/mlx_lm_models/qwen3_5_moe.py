@@ -26,7 +26,7 @@ from typing import Any, List, Tuple, Union
 import torch
 
 from llmq.quant.formats import GroupQuantizedWeight
-from llmq_mlx.mlx_lm_models.common import split_rows
+from llmq_mlx.mlx_lm_models.common import special_token_ids, split_rows
 
 Value = Union[torch.Tensor, GroupQuantizedWeight]
 
@@ -115,8 +115,4 @@ def mlx_config(hf_config: dict, c: Any) -> dict:
         },
     }
     config = {"model_type": "qwen3_5_moe", "text_config": text_config, "tie_word_embeddings": c.tie_word_embeddings}
-    for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
-        value = hf_config.get(key, text.get(key))
-        if value is not None:
-            config[key] = value
-    return config
+    return dict(config, **special_token_ids(hf_config, text))
