@@ -56,6 +56,7 @@ def verify(arch: Architecture, config, source, backend, job, path: str, referenc
                                                   verification_prompt(config.vocab_size, seed))
         rows += consumer_rows
         result.update(consumer_result)
+        failure = failure or consumer_result.get("failure")
     if use_moe_op and failure is None:
         from models.pipeline.moe_op import use_quantized_moe_op
 

@@ -12,7 +12,6 @@ default, what vLLM and TensorRT-LLM load).
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
@@ -48,6 +47,22 @@ def _text_config(hf_config) -> Dict[str, Any]:
     hf_config = dict(hf_config)
     text = hf_config.get("text_config")
     return dict(text) if isinstance(text, dict) else hf_config
+
+
+def _high_precision_dtype(path: str) -> torch.dtype:
+    """The dtype the folder keeps unquantized weights in (its first float `.weight`), float32 if none:
+    decoded weights are cast to it, as the consumer's model holds them."""
+    from safetensors import safe_open
+
+    names = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+    for f in sorted(os.listdir(path)):
+        if f.endswith(".safetensors"):
+            with safe_open(os.path.join(path, f), framework="pt") as st:
+                for k in st.keys():
+                    dtype = names.get(st.get_slice(k).get_dtype())
+                    if k.endswith(".weight") and dtype is not None:
+                        return dtype
+    return torch.float32
 
 
 def read_folder(path: str) -> Dict[str, torch.Tensor]:
@@ -89,35 +104,37 @@ class HfExportBackend:
                 ("kept in high precision", f"{len(s.excluded_modules)} modules")]
         if s.resumed_tensors:
             rows.append(("resumed", f"{s.resumed_tensors} tensors from an interrupted run's shards"))
+        from llmq.export import consumer_warnings
+
+        rows += [("consumer warning", w) for w in consumer_warnings(path)]  # known misreads (docs/export.md)
         return rows
 
     def reload(self, path: str, job: WriteJob) -> Dict[str, torch.Tensor]:
-        """The folder's weights dequantized by the formula of its style's reader (llmq.export's
-        dequantize_exported_tensors), in the folder's high-precision dtype, in model layout."""
-        from llmq.export import dequantize_exported_tensors, make_spec
+        """The folder as its consumer loads it (llmq.export.read_export: the folder's own
+        quantization_config decides which modules are quantized and how; each decoded by the
+        reader's formula), in model layout."""
+        from llmq.export import read_export
 
-        tensors = read_folder(path)
-        with open(os.path.join(path, "config.json")) as f:
-            if "quantization_config" not in json.load(f):
-                raise ValueError(f"{path}/config.json: no quantization_config")
-        lookup = recipe_lookup(job)
-        float_dtype = next((t.dtype for n, t in tensors.items() if n.endswith(".weight") and t.dtype in
-                            (torch.bfloat16, torch.float16, torch.float32)), torch.float32)
-        modules = sorted(n[: -len(".weight_scale")] for n in tensors if n.endswith(".weight_scale"))
-        out = dict(tensors)
-        for module in modules:
-            config = lookup(module)
-            if config is None:
-                raise ValueError(f"{path}: {module} is quantized in the folder but the recipe keeps it")
-            spec = make_spec(module, config, style=self.style,
-                             static_input_scale=f"{module}.input_scale" in tensors
-                             or f"{module}.input_global_scale" in tensors)
-            names = spec.tensor_names()
-            weight = dequantize_exported_tensors({n: tensors[n] for n in names.values() if n in tensors}, spec)
-            for n in names.values():
-                out.pop(n, None)
-            out[f"{module}.weight"] = weight.to(float_dtype)
-        return job.from_hf(out)
+        return job.from_hf(dict(read_export(path, dtype=_high_precision_dtype(path))))
+
+    def check_consumer(self, path: str, job: WriteJob, reference, quantized, prompt: torch.Tensor):
+        """Every quantized module read back as the consumer would, against the unquantized weights
+        it came from (llmq.export.verify_export: within each format's error bound), and the known
+        consumers that misread this layout (one warning line each)."""
+        from llmq.export import iter_module_weights, verify_export
+
+        hf_items = (item for name, value in reference.state_dict().items()
+                    for item in job.to_hf(name, value).items())
+        report = verify_export(path, reference=dict(iter_module_weights(hf_items)))
+        worst = max(report.max_error.items(), key=lambda kv: kv[1], default=None)
+        rows = [("read back as consumer", f"{len(report.modules)} quantized modules ({self.style} config), "
+                 + (f"largest |error| {worst[1]:.3g} ({worst[0]})" if worst else "no float reference")
+                 + ("" if report.ok else f"; {len(report.problems)} problem(s)"))]
+        rows += [("problem", p) for p in report.problems[:5]]
+        result = {"export_problems": list(report.problems), "consumer_warnings": list(report.warnings)}
+        if not report.ok:
+            result["failure"] = f"the folder read back as its consumer reads it: {report.problems[0]}"
+        return rows, result
 
 
 FP_FORMATS = ("fp8", "mxfp8", "mxfp4", "nvfp4")

@@ -183,13 +183,13 @@ _DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "
 
 
 def _layers(files: "_Folder") -> Dict[str, List[str]]:
-    """module -> its tensor leaf names, for modules holding a 2-D weight (the linear layers)."""
+    """module -> its tensor leaf names, for modules holding a 2-D weight (the linear layers; a 3-D conv weight is not one)."""
     by_module: Dict[str, List[str]] = {}
     for n in files.where:
         module, _, leaf = n.rpartition(".")
         by_module.setdefault(module, []).append(leaf)
     return {m: leaves for m, leaves in by_module.items()
-            if any(l in ("weight", "weight_packed") and len(files.meta(f"{m}.{l}")[1]) >= 2 for l in leaves)}
+            if any(l in ("weight", "weight_packed") and len(files.meta(f"{m}.{l}")[1]) == 2 for l in leaves)}
 
 
 # --------------------------------------------------------------------------------------------
