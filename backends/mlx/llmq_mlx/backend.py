@@ -127,6 +127,28 @@ def compare_with_mlx(folder: Union[str, Path], reference: torch.nn.Module, quant
     return {"mlx_vs_quantized": agreement(ours, got), "mlx_vs_reference": agreement(ref, got), "float32": float32}
 
 
+def _representable(stream: Iterable[Tuple[str, Value]], job: WriteJob) -> Iterator[Tuple[str, Value]]:
+    """Integer weights MLX cannot hold as they are (a GGUF's 6-bit Q6_K blocks of 16, say) are
+    re-quantized from their exact dequantized values with the recipe's config for that module
+    (int4 g32 when the recipe keeps it); one note says how many."""
+    from llmq.quant import QuantConfig, dequantize, quantize_weight
+    from llmq_mlx.regroup import MLX_BITS, MLX_GROUP_SIZES
+
+    bound = job.recipe.bind(job.num_layers)
+    redone: List[str] = []
+    for name, value in stream:
+        if isinstance(value, GroupQuantizedWeight) and (value.bits not in MLX_BITS
+                                                        or value.group_size not in MLX_GROUP_SIZES):
+            module = name[: -len(".weight")] if name.endswith(".weight") else name
+            config = bound.get_config(module) or QuantConfig(bits=4, group_size=32)
+            value = quantize_weight(dequantize(value, torch.float32), config, name=name)
+            redone.append(f"{name} -> {config.describe()}")
+        yield name, value
+    if redone:
+        print(f"note: --backend mlx: {len(redone)} imported weight(s) had a bit width or group size MLX cannot hold "
+              f"and were re-quantized from their exact dequantized values with the recipe (e.g. {redone[0]})")
+
+
 class MlxBackend:
     """--backend=mlx (see the module docstring)."""
 
@@ -157,6 +179,7 @@ class MlxBackend:
         self.check(job)
         if not any(os.path.basename(f) in _TOKENIZER_PROPER for f in job.tokenizer_files):
             print(f"note: the input has no tokenizer files; mlx_lm.load({job.out}) will need them copied in")
+        stream = _representable(stream, job)
         kept: Dict[str, Value] = {}
         if job.verify:
             stream = _keep(stream, kept)
