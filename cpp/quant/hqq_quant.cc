@@ -183,19 +183,7 @@ void hqq_qparams(const float* g, int64_t rows, int64_t k, int64_t group_size, in
         hqq_group(g + r * k + gi * group_size, importance ? importance + gi * group_size : nullptr, group_size, bits,
                   betas, cutoffs, buf.data(), scale + r * groups + gi, zero + r * groups + gi);
   };
-  int t = threads > 0 ? threads : default_threads();
-  t = static_cast<int>(std::min<int64_t>(t, std::max<int64_t>(rows, 1)));
-  if (t <= 1) {
-    work(0, rows);
-    return;
-  }
-  std::vector<std::thread> pool;
-  const int64_t per = (rows + t - 1) / t;
-  for (int i = 0; i < t; ++i) {
-    const int64_t r0 = i * per, r1 = std::min(rows, r0 + per);
-    if (r0 < r1) pool.emplace_back(work, r0, r1);
-  }
-  for (auto& th : pool) th.join();
+  parallel_rows(rows, threads, work);
 }
 
 }  // namespace llmq_quant

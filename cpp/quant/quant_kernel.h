@@ -11,8 +11,11 @@
 // ISA paths (AVX-512, AVX2+F16C, portable) are chosen at run time; none needs -march.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
+#include <thread>
+#include <vector>
 
 namespace llmq_quant {
 
@@ -61,5 +64,24 @@ const char* isa_name(Isa isa);
 // Threads a kernel uses by default: the CPUs this process may run on (a container's cpuset,
 // not the host's core count). Shared by the integer, FP and search kernels.
 int default_threads();
+
+// work(r0, r1) over row ranges splitting [0, rows) across `threads` threads (0: default_threads(),
+// at most one per row); in the calling thread when that is one.
+template <typename Work>
+void parallel_rows(int64_t rows, int threads, Work work) {
+  int t = threads > 0 ? threads : default_threads();
+  t = static_cast<int>(std::min<int64_t>(t, std::max<int64_t>(rows, 1)));
+  if (t <= 1) {
+    work(int64_t{0}, rows);
+    return;
+  }
+  std::vector<std::thread> pool;
+  const int64_t per = (rows + t - 1) / t;
+  for (int i = 0; i < t; ++i) {
+    const int64_t r0 = i * per, r1 = std::min(rows, r0 + per);
+    if (r0 < r1) pool.emplace_back(work, r0, r1);
+  }
+  for (auto& th : pool) th.join();
+}
 
 }  // namespace llmq_quant
