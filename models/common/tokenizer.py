@@ -65,7 +65,8 @@ def _is_gguf(source: str) -> bool:
 
 
 def has_tokenizer(source: Optional[str]) -> bool:
-    """Whether `source` (an HF folder or a .gguf file) carries a tokenizer this module can load."""
+    """Whether `source` (an HF folder or a .gguf file) carries a tokenizer this module can load (a GGUF:
+    its vocabulary and the tokenizer kind, tokenizer.ggml.model)."""
     if not source:
         return False
     if os.path.isdir(source):
@@ -73,7 +74,8 @@ def has_tokenizer(source: Optional[str]) -> bool:
     if _is_gguf(source):
         from llmq.checkpoint import read_gguf_metadata
 
-        return "tokenizer.ggml.tokens" in read_gguf_metadata(source)
+        metadata = read_gguf_metadata(source)  # membership only: the vocabulary stays on disk
+        return "tokenizer.ggml.tokens" in metadata and "tokenizer.ggml.model" in metadata
     return False
 
 
