@@ -1,6 +1,6 @@
-"""Quantization quality on a real Gemma 3, measured fairly (docs/quality.md has the table).
+"""Quantization quality on a real Gemma 3, measured fairly; prints a Markdown table.
 
-bazel run //models/gemma3:quality_eval -- --checkpoint=gemma-3-270m-q4_k_m.gguf \
+PYTHONPATH=python:. .venv/bin/python models/gemma3/quality_eval.py --checkpoint=gemma-3-270m-q4_k_m.gguf \
     --held_text=FILE --calibration_text=FILE [--tokens=16384] [--write_reference_gguf=F32.gguf] \
     [--llama_cpp=NAME=FILE.gguf ...]
 
@@ -35,6 +35,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
+
+from llmq.quant.budget import stored_bits
 
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -136,12 +138,6 @@ class Evaluator:
         self._set(self.reference)
         return {name: {"mean_kl": s["kl"] / tokens, "ppl": math.exp(s["nll"] / tokens), "top1": s["top1"] / tokens,
                        "tokens": tokens} for name, s in stats.items()}
-
-
-def stored_bits(q, config) -> int:
-    from llmq.quant.budget import stored_bits as bits
-
-    return bits(q, config)
 
 
 def llmq_variant(tensors: Dict[str, torch.Tensor], names: List[str], recipe_for: Callable[[str], object],

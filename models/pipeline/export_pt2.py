@@ -30,7 +30,7 @@ from absl import app, flags
 from torch import nn
 
 from llmq.checkpoint import CheckpointError, load_bundle
-from llmq.quant import QuantizedEmbedding, QuantizedLinear, register_preset
+from llmq.quant import QuantizedEmbedding, QuantizedLinear
 from llmq.quant.modules import dequantize_graph
 from models.common.cache import ModelCache
 from models.pipeline import quantize_and_save
@@ -357,8 +357,6 @@ def run(arch: Architecture, make_layout: Callable[[nn.Module, int], StaticCacheL
     if prompt_len + decode_steps > max_seq_len:
         raise quantize_and_save.UsageError(f"--prompt_len {prompt_len} + --decode_steps {decode_steps} exceeds "
                                            f"--max_seq_len {max_seq_len} (the cache capacity)")
-    for name, preset in arch.presets.items():
-        register_preset(name, preset, overwrite=True)
     recipe = recipe or arch.default_recipe
     with tempfile.TemporaryDirectory(prefix=f"llmq-export-{arch.name}-") as workdir:
         out = out or tempfile.mkdtemp(prefix=f"llmq-export-{arch.name}-")  # kept: the .pt2 files are the product

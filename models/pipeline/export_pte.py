@@ -36,7 +36,7 @@ from absl import flags
 from torch import nn
 
 from llmq.checkpoint import CheckpointError
-from llmq.quant import QuantizedLinear, register_preset, to_torchao
+from llmq.quant import QuantizedLinear, to_torchao
 from models.pipeline import export_pt2, quantize_and_save
 from models.pipeline.arch import Architecture
 from models.pipeline.export_pt2 import DecodeStep, PrefillStep, StaticCacheLayout
@@ -277,8 +277,6 @@ def run(arch: Architecture, make_layout: Callable[[nn.Module, int], StaticCacheL
     if prompt_len + decode_steps > max_seq_len:
         raise quantize_and_save.UsageError(f"--prompt_len {prompt_len} + --decode_steps {decode_steps} exceeds "
                                            f"--max_seq_len {max_seq_len} (the cache capacity)")
-    for name, preset in arch.presets.items():
-        register_preset(name, preset, overwrite=True)
     recipe = recipe or arch.default_recipe
     log = (lambda *a: None) if quiet else print
     with tempfile.TemporaryDirectory(prefix=f"llmq-pte-{arch.name}-") as workdir:

@@ -119,17 +119,24 @@ def search_available() -> bool:
     return m is not None and hasattr(m, "search_qparams")
 
 
-def search_qparams(g: torch.Tensor, group_size: int, bits: int, symmetric: bool, *, threads: Optional[int] = None):
-    """Method "search" on float32 CPU rows g[R, K]: (scale [R, G], zero [R, G] or None when
-    symmetric), bit-identical to llmq.quant.search.search_qparams_torch. The caller has
-    checked that g is finite and the configuration valid."""
+def _qparams_buffers(g: torch.Tensor, group_size: int, *, with_zero: bool):
+    """(loaded module, g as contiguous float32, scale [R, G], zero [R, G] or None) for a per-group
+    parameter search; RuntimeError when the kernel is not available."""
     m = _load()
     if m is None:
         raise RuntimeError(f"the quantization kernel is not available: {_error}")
     g = g.detach().to(torch.float32).contiguous()
+    groups = (g.shape[0], g.shape[1] // group_size)
+    zero = torch.empty(groups, dtype=torch.float32) if with_zero else None
+    return m, g, torch.empty(groups, dtype=torch.float32), zero
+
+
+def search_qparams(g: torch.Tensor, group_size: int, bits: int, symmetric: bool, *, threads: Optional[int] = None):
+    """Method "search" on float32 CPU rows g[R, K]: (scale [R, G], zero [R, G] or None when
+    symmetric), bit-identical to llmq.quant.search.search_qparams_torch. The caller has
+    checked that g is finite and the configuration valid."""
+    m, g, scale, zero = _qparams_buffers(g, group_size, with_zero=not symmetric)
     r, k = g.shape
-    scale = torch.empty(r, k // group_size, dtype=torch.float32)
-    zero = None if symmetric else torch.empty(r, k // group_size, dtype=torch.float32)
     m.search_qparams(g.data_ptr(), r, k, group_size, bits, bool(symmetric), scale.data_ptr(),
                      0 if zero is None else zero.data_ptr(), _threads if threads is None else threads)
     return scale, zero
@@ -194,13 +201,8 @@ def hqq_qparams(g: torch.Tensor, group_size: int, bits: int, *, importance: Opti
     """Method "hqq" on finite float32 CPU rows g[R, K]: (scale [R, G], float zero [R, G]),
     bit-identical to llmq.quant.hqq.hqq_qparams_torch with its default parameters.
     importance: optional positive float32 [K] weighting each input channel (validated by the caller)."""
-    m = _load()
-    if m is None:
-        raise RuntimeError(f"the quantization kernel is not available: {_error}")
-    g = g.detach().to(torch.float32).contiguous()
+    m, g, scale, zero = _qparams_buffers(g, group_size, with_zero=True)
     r, k = g.shape
-    scale = torch.empty(r, k // group_size, dtype=torch.float32)
-    zero = torch.empty(r, k // group_size, dtype=torch.float32)
     imp = None if importance is None else importance.detach().to(torch.float32).contiguous()
     if imp is not None and imp.numel() != k:
         raise ValueError(f"importance has {imp.numel()} values; expected K={k}")
