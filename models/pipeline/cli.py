@@ -41,6 +41,20 @@ flags.DEFINE_integer("seed", 0, "Seed of the embedded default model and of the v
 flags.DEFINE_boolean("list_recipes", False, "Print the recipe presets and exit.")
 flags.DEFINE_boolean("use_moe_quantized_op", False, "Verify with the MoE blocks running through "
                      "torch.ops.llmq.quantized_moe_ffn (the fused C++ kernel) instead of eager PyTorch.")
+flags.DEFINE_boolean("error_report", True, "Write quant_error.csv/.md/.png into the output (per quantized tensor: "
+                     "format, bits, relative error, SQNR; with --calibration_text the layer's output error) and "
+                     "summarise it in the final table.")
+flags.DEFINE_string("calibration_text", None, "A UTF-8 text file (not the text you evaluate on). The unquantized model "
+                    "runs on its first --calibration_tokens tokens; each layer's mean squared input per column "
+                    "weights the error that method 'hqq' and --budget_bits_per_weight minimise, and the error report "
+                    "gains each layer's output error. Without it every method is calibration-free.")
+flags.DEFINE_integer("calibration_tokens", 512, "Tokens of --calibration_text to run.", lower_bound=2)
+flags.DEFINE_float("budget_bits_per_weight", None, "Choose per matrix among 3/4/5/6/8-bit integer formats so the "
+                   "matrices the recipe quantizes fit this many bits per weight (16-bit scales counted) with the "
+                   "smallest (importance-weighted) error; the choice is written to <out>/budget_recipe.json, an "
+                   "ordinary recipe (--recipe=that file reproduces it).", lower_bound=1.0)
+flags.DEFINE_enum("budget_method", "hqq", ["minmax", "search", "hqq"], "Rounding method of the "
+                  "--budget_bits_per_weight candidates.")
 flags.DEFINE_boolean("progress", None, "Show progress bars (default: when stderr is a terminal).")
 
 
@@ -64,7 +78,10 @@ def main_for(arch: Architecture, others: Sequence[Architecture] = ()) -> None:
                 out=_user_path(FLAGS.out),
                 resume=FLAGS.resume, max_shard_size=FLAGS.max_shard_size, verify=FLAGS.verify, seed=FLAGS.seed,
                 use_moe_op=FLAGS.use_moe_quantized_op, verify_min_cosine=FLAGS.verify_min_cosine,
-                verify_warn_only=FLAGS.verify_warn_only, progress=progress, others=others)
+                verify_warn_only=FLAGS.verify_warn_only, progress=progress, others=others,
+                error_report=FLAGS.error_report, calibration_text=_user_path(FLAGS.calibration_text),
+                calibration_tokens=FLAGS.calibration_tokens, budget_bits_per_weight=FLAGS.budget_bits_per_weight,
+                budget_method=FLAGS.budget_method)
         except (UsageError, CheckpointError, FileExistsError) as e:
             print(f"error: {cli_wording(str(e))}", file=sys.stderr)
             return 2

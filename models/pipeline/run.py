@@ -1,11 +1,16 @@
 """The job: input -> recipe -> (quantize) -> backend.write -> summary, then --verify.
 
 Order: backend, recipe and input are checked, then the checkpoint's tensor names and shapes
-against the model built from its config (from the headers, before anything is written), then the
-backend refuses what it cannot write (backend.check), then the stream is written (checked again
+against the model built from its config (from the headers, before anything is written), then
+(optional) --calibration_text runs the unquantized model on a text (models/pipeline/calibration.py)
+and --budget_bits_per_weight replaces the recipe by the chosen one (models/pipeline/size_budget.py),
+then the backend refuses what it cannot write (backend.check), then the stream is written (checked again
 item by item; the backend publishes the output only when the whole stream passed), then --verify
 reloads the published output (models/pipeline/verify.py); if that fails the output is moved to
 <out>.failed and the run fails (unless verify_warn_only). Nothing global changes.
+
+Files added to the published output: `quant_error.{csv,md,png}` (error_report: one row per tensor
+quantized by llmq, llmq.quant.report) and `budget_recipe.json` (the chosen recipe, reusable as --recipe).
 """
 
 from __future__ import annotations
@@ -24,7 +29,10 @@ from llmq.backend import BackendError, WriteJob, get_backend
 from llmq.checkpoint import checkpoint_shapes
 from llmq.quant import QuantRecipe, dequantize, is_quantized, load_recipe, quantize_stream
 from llmq.quant.formats import nbytes_of
+from llmq.quant.report import ErrorReport
 from models.pipeline import sources, verify as verification
+from models.pipeline.calibration import calibrate
+from models.pipeline.size_budget import RECIPE_FILE, choose_recipe
 from models.pipeline.arch import Architecture, quantizable_module
 from models.pipeline.checks import check_headers, checked_stream, expected_tensors
 from models.pipeline.errors import UsageError
@@ -63,7 +71,9 @@ def _progress(items, total: int, desc: str, enabled: bool):
 def run(arch: Architecture, *, checkpoint: Optional[str], recipe: Optional[str], backend: str, out: Optional[str],
         resume: bool, max_shard_size: int, verify: Optional[bool], seed: int, progress: bool,
         use_moe_op: bool = False, verify_min_cosine: float = 0.9, verify_warn_only: bool = False,
-        others: Sequence[Architecture] = ()) -> Dict:
+        others: Sequence[Architecture] = (), error_report: bool = False, calibration_text: Optional[str] = None,
+        calibration_tokens: int = 512, budget_bits_per_weight: Optional[float] = None,
+        budget_method: str = "hqq") -> Dict:
     """The whole job; returns the numbers it printed (for tests)."""
     try:
         writer = get_backend(backend)
@@ -113,6 +123,26 @@ def run(arch: Architecture, *, checkpoint: Optional[str], recipe: Optional[str],
         def model_stream(notes=None):
             return checked_stream(source.stream(notes), expected, checkpoint)
 
+        calibration = None
+        if calibration_text is not None:
+            print(f"calibration: running the unquantized model on up to {calibration_tokens} tokens of "
+                  f"{calibration_text}", flush=True)
+            calibration = calibrate(arch, config, source, model_stream, calibration_text, calibration_tokens)
+        recipe_label = recipe_name
+        budget = None
+        if budget_bits_per_weight is not None:
+            print(f"budget: measuring every candidate format of every matrix ({budget_method}; "
+                  f"{budget_bits_per_weight} bits per weight)", flush=True)
+            budget = choose_recipe(model_stream, quant_recipe, arch.num_layers(config), budget_bits_per_weight,
+                                   budget_method, calibration)
+            quant_recipe = budget.recipe
+            try:
+                quant_recipe.check_formats(writer.accepts_formats, f"--backend {backend}")
+            except ValueError as e:
+                raise UsageError(f"--budget_bits_per_weight: {e}") from None
+            recipe_label = f"{budget_bits_per_weight} bits per weight over {recipe_name}'s matrices ({RECIPE_FILE})"
+        report = ErrorReport() if error_report and not writer.takes_float else None
+
         if verify is None:
             verify = kind == "embedded" or source.size_bytes < VERIFY_LIMIT_BYTES
         job = _write_job(arch, source, writer.name, out, quant_recipe, recipe_name, max_shard_size, resume, verify)
@@ -129,7 +159,7 @@ def run(arch: Architecture, *, checkpoint: Optional[str], recipe: Optional[str],
             stream = _as_float(stream)
         else:
             stream = quantize_stream(stream, quant_recipe, num_layers=arch.num_layers(config),
-                                     module_of=quantizable_module)
+                                     module_of=quantizable_module, calibration=calibration, report=report)
         stream = _progress(tally.after(stream), len(names), "quantize", progress)
         try:
             written = writer.write(stream, job)
@@ -146,7 +176,7 @@ def run(arch: Architecture, *, checkpoint: Optional[str], recipe: Optional[str],
             written_row = f"{tally.tensors} ({tally.quantized} quantized)"
         rows = [
             ("architecture", arch.name),
-            ("recipe", recipe_name),
+            ("recipe", recipe_label),
             ("backend", backend),
             ("output", written),
             ("tensors written", written_row),
@@ -155,10 +185,29 @@ def run(arch: Architecture, *, checkpoint: Optional[str], recipe: Optional[str],
             ("time", f"{seconds:.2f} s"),
         ]
         rows += getattr(writer, "summary", lambda path, job: [])(written, job)
+        result = {}
+        if calibration is not None:
+            rows.append(("calibration", f"{calibration.tokens} tokens of {calibration_text}, "
+                                        f"{len(calibration.importance)} linear layers"))
+        if budget is not None:
+            quant_recipe.to_file(os.path.join(written, RECIPE_FILE),
+                                 description=f"chosen by --budget_bits_per_weight={budget_bits_per_weight} (method "
+                                             f"{budget_method}) over the matrices {recipe_name} quantizes")
+            rows.append(("budget", f"{budget.bits_per_weight:.3f} bits per weight (packed, 16-bit scales) over "
+                                   f"{budget.matrices} matrices: " + ", ".join(
+                                       f"{c}: {n}" for c, n in sorted(budget.counts.items(), key=lambda kv: -kv[1]))))
+            result["budget"] = budget
+        if report is not None:
+            files = report.write(written)
+            rows.append(("error report", report.summary()))
+            rows.append(("error report files", ", ".join(os.path.basename(p) for p in files.values())))
+            result["error_report"] = report
+        elif error_report:
+            rows.append(("error report", f"not made: --backend {backend} quantizes by itself"))
         if source.from_gguf:
             rows.insert(1, ("input", f"GGUF {checkpoint}"))
-        result = {"bundle": written, "tensors": tally.tensors, "quantized": tally.quantized,
-                  "bytes_in": tally.bytes_in, "bytes_out": tally.bytes_out, "progress_total": len(names)}
+        result.update({"bundle": written, "tensors": tally.tensors, "quantized": tally.quantized,
+                  "bytes_in": tally.bytes_in, "bytes_out": tally.bytes_out, "progress_total": len(names)})
         failure = None
         if verify:
             check_rows, check, failure = verification.verify(

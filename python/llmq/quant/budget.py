@@ -27,7 +27,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 
 from llmq.quant.formats import nbytes_of
-from llmq.quant.quantize import dequantize, quantize_weight
+from llmq.quant.quantize import dequantize, quantize_weight, takes_importance
 from llmq.quant.recipe import INT_FORMAT, QuantConfig, QuantRecipe, QuantRule
 
 # Integer group-wise options every backend takes (MLX: bits 3..8, groups 32..128).
@@ -78,7 +78,7 @@ def measure_options(name: str, w: torch.Tensor, configs: Sequence[QuantConfig] =
         if gs <= 0 or w.shape[-1] % gs:
             continue
         # method "hqq" minimises the importance-weighted error itself; the others only get measured by it
-        q = quantize_weight(w, config, name=name, importance=importance if config.method == "hqq" else None)
+        q = quantize_weight(w, config, name=name, importance=importance if takes_importance(config) else None)
         options.append(Option(config, stored_bits(q, config), weight_error(w, dequantize(q, torch.float32), importance)))
     if not options:
         raise ValueError(f"{name}: none of the candidate configs fits its shape {list(w.shape)}")

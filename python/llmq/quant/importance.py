@@ -6,21 +6,27 @@ squared input activation of each input column: E[x_k^2]. A weight error on colum
 about importance[k] times its square in the layer's output (for independent activations), so
 quantizers and the budget weight their squared error by it (`llmq.quant.budget.weight_error`).
 
-Only the statistics are kept (one float64 vector per layer), never the activations.
+Only the statistics are kept (one float64 vector per layer), never the activations;
+`collect_calibration` also keeps a small sample of input rows per layer (at most
+`sample_rows` tokens, spread over the text) so a report can measure each layer's output error.
 """
 
 from __future__ import annotations
 
-from typing import Dict, Iterable
+import dataclasses
+from typing import Dict, Iterable, Optional
 
 import torch
 from torch import nn
 
 
 class _Accumulator:
-    def __init__(self):
+    def __init__(self, sample_rows: int = 0, sample_every: int = 1):
         self.sum_sq: Dict[str, torch.Tensor] = {}
         self.count: Dict[str, int] = {}
+        self.samples: Dict[str, list] = {}
+        self.sample_rows = sample_rows
+        self.sample_every = max(1, sample_every)
 
     def hook(self, name: str):
         def record(module: nn.Module, args) -> None:
@@ -29,7 +35,16 @@ class _Accumulator:
             acc = self.sum_sq.get(name)
             add = flat.pow(2).sum(dim=0)
             self.sum_sq[name] = add if acc is None else acc + add
-            self.count[name] = self.count.get(name, 0) + flat.shape[0]
+            seen = self.count.get(name, 0)
+            self.count[name] = seen + flat.shape[0]
+            if self.sample_rows:
+                kept = self.samples.setdefault(name, [])
+                have = sum(t.shape[0] for t in kept)
+                # token t of the text is kept when t % sample_every == 0 (evenly spread)
+                first = (-seen) % self.sample_every
+                rows = flat[first::self.sample_every][: self.sample_rows - have]
+                if rows.shape[0]:
+                    kept.append(rows.float().clone())
 
         return record
 
@@ -41,6 +56,11 @@ def collect_importance(model: nn.Module, batches: Iterable[torch.Tensor], floor:
     never excites (E[x^2] = 0) gets `floor` times the layer's mean instead, so every weight
     stays > 0 (quantizers take a positive importance; a dead column's error then costs little)."""
     acc = _Accumulator()
+    _run(model, batches, acc)
+    return _importance(acc, floor)
+
+
+def _run(model: nn.Module, batches: Iterable[torch.Tensor], acc: _Accumulator) -> None:
     handles = [m.register_forward_pre_hook(acc.hook(name)) for name, m in model.named_modules()
                if isinstance(m, nn.Linear)]
     try:
@@ -49,11 +69,45 @@ def collect_importance(model: nn.Module, batches: Iterable[torch.Tensor], floor:
     finally:
         for h in handles:
             h.remove()
+
+
+def _importance(acc: _Accumulator, floor: float) -> Dict[str, torch.Tensor]:
     out = {}
     for name, total in acc.sum_sq.items():
         mean_sq = total / acc.count[name]
         out[name] = mean_sq.clamp_min(floor * max(float(mean_sq.mean()), 1e-30)).float()
     return out
+
+
+@dataclasses.dataclass
+class Calibration:
+    """What a calibration text tells about each linear layer (keyed by module name):
+    `importance` [K] = E[x_k^2] (floored as in collect_importance), `inputs` [R, K] float32 =
+    R <= sample_rows input rows seen by the layer (tokens spread evenly over the text), and
+    `tokens` = how many tokens were run."""
+
+    importance: Dict[str, torch.Tensor]
+    inputs: Dict[str, torch.Tensor]
+    tokens: int
+
+    def importance_of(self, module: str) -> Optional[torch.Tensor]:
+        return self.importance.get(module)
+
+    def inputs_of(self, module: str) -> Optional[torch.Tensor]:
+        return self.inputs.get(module)
+
+
+@torch.no_grad()
+def collect_calibration(model: nn.Module, batches: Iterable[torch.Tensor], *, total_tokens: int,
+                        sample_rows: int = 64, floor: float = 1e-6) -> Calibration:
+    """collect_importance plus, per linear, every (total_tokens // sample_rows)-th input row
+    (at most sample_rows of them): enough to measure a layer's output error ||X (W - W')^T||
+    on real activations without keeping them all (sample_rows * K floats per layer)."""
+    acc = _Accumulator(sample_rows=sample_rows, sample_every=max(1, total_tokens // max(sample_rows, 1)))
+    batches = list(batches)
+    _run(model, batches, acc)
+    inputs = {name: torch.cat(rows) for name, rows in acc.samples.items() if rows}
+    return Calibration(_importance(acc, floor), inputs, sum(int(b.numel()) for b in batches))
 
 
 def token_batches(ids: torch.Tensor, seq_len: int) -> Iterable[torch.Tensor]:

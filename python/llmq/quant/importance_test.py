@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from llmq.quant.importance import collect_importance, token_batches
+from llmq.quant.importance import collect_calibration, collect_importance, token_batches
 
 
 class Tiny(nn.Module):
@@ -44,3 +44,17 @@ def test_token_batches_cover_the_stream_and_refuse_bad_input():
     assert torch.equal(torch.cat([b[0] for b in token_batches(ids, 10)]), ids)
     with pytest.raises(ValueError, match="non-empty 1-D"):
         list(token_batches(torch.zeros(2, 3, dtype=torch.long), 4))
+
+
+def test_calibration_keeps_evenly_spread_input_rows():
+    torch.manual_seed(1)
+    model = Tiny()
+    ids = torch.randint(0, 50, (37,))
+    cal = collect_calibration(model, token_batches(ids, 10), total_tokens=37, sample_rows=6)
+    assert cal.tokens == 37
+    x = model.embed.weight[ids].detach()
+    every = 37 // 6  # token t kept when t % every == 0, at most 6 rows
+    torch.testing.assert_close(cal.inputs_of("up"), x[::every][:6])
+    assert cal.inputs_of("down").shape == (6, 32)
+    torch.testing.assert_close(cal.importance_of("up"), collect_importance(model, token_batches(ids, 10))["up"])
+    assert cal.inputs_of("embed") is None

@@ -150,10 +150,15 @@ def quantize_weight(w: torch.Tensor, config: QuantConfig, *, name: str = "<tenso
     if not isinstance(config, QuantConfig):
         raise ValueError(f"{name}: expected a QuantConfig, got {type(config).__name__}")
     if importance is not None:
-        if config.format != INT_FORMAT or config.method != "hqq":
+        if not takes_importance(config):
             raise ValueError(f"{name}: importance weights apply to format 'int' with method 'hqq' only, got {config.describe()!r}")
         return quantize_int_weight(w, config, name=name, importance=importance)
     return get_format(config.format).quantize(w, config, name=name)
+
+
+def takes_importance(config: QuantConfig) -> bool:
+    """Whether quantize_weight(..., importance=) applies to `config` (format "int", method "hqq")."""
+    return config.format == INT_FORMAT and config.method == "hqq"
 
 
 def _check_importance(importance, k: int, name: str) -> torch.Tensor:

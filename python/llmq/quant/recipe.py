@@ -255,6 +255,20 @@ class QuantRecipe:
             raise ValueError(f"unknown recipe field(s) {sorted(unknown)}; expected rules, num_layers, name, description")
         return cls([QuantRule.from_dict(r) for r in d["rules"]], num_layers=d.get("num_layers"))
 
+    def to_file(self, path: Union[str, os.PathLike], description: Optional[str] = None) -> None:
+        """Write the recipe as JSON that from_file reads back equal: one rule per line, so a
+        person can read and edit it (and an optional "description")."""
+        d = self.to_dict()
+        head = {"description": description} if description else {}
+        lines = [json.dumps(r, sort_keys=False) for r in d["rules"]]
+        body = ",\n  ".join(lines)
+        text = "{" + "".join(f"{json.dumps(k)}: {json.dumps(v)}, " for k, v in head.items())
+        if "num_layers" in d:
+            text += f'"num_layers": {d["num_layers"]}, '
+        text += '"rules": [\n  ' + body + "\n]}\n"
+        with open(os.fspath(path), "w", encoding="utf-8") as f:
+            f.write(text)
+
     @classmethod
     def from_file(cls, path: Union[str, os.PathLike]) -> "QuantRecipe":
         """Load a recipe from a .json, .yaml or .yml file (format: docs/formats.md)."""

@@ -6,7 +6,7 @@ it tensor by tensor while it writes a bundle, never holding the model. `write(fo
 writes three files into `folder`:
 
 * `<stem>.csv`: one row per tensor (name, format, shape, numel, bits_per_weight,
-  rel_error, sqnr_db, max_abs_error) and a final `TOTAL` row;
+  rel_error, sqnr_db, max_abs_error, output_rel_error) and a final `TOTAL` row;
 * `<stem>.md`: the same as a Markdown table;
 * `<stem>.png`: a bar chart drawn with matplotlib: one bar per tensor in table order, height
   = SQNR in dB (an exact SQNR, +inf, drawn at the top of the axis), colour by format, with a
@@ -17,9 +17,16 @@ float64, E = W - W'):
 
 * bits_per_weight = 8 * (bytes the quantized weight stores, scales and zero points included)
   / numel: e.g. int4 g32 with float32 scale and bias is 4 + 64/32 = 6.0;
+* packed_bits_per_weight (when the config is known) = the bits a backend packs it into,
+  `llmq.quant.budget.stored_bits`: 16-bit scales (and zero points when asymmetric), as MLX and
+  GGUF store them, so int4 g32 symmetric is 4.5; the budget counts these;
 * rel_error = ||E||_2 / ||W||_2;
 * sqnr_db = 10 log10(sum W^2 / sum E^2) (inf when E = 0, -inf when W = 0 and E != 0);
-* TOTAL: numel-weighted bits, and the error ratios of the summed sums over all tensors.
+* output_rel_error (only with calibration inputs X [R, K], the layer's input rows from a
+  calibration text; 2-D weights): ||X E^T||_F / ||X W^T||_F, the relative error of the
+  layer's output on those tokens; empty otherwise;
+* TOTAL: numel-weighted bits, and the error ratios of the summed sums over all tensors
+  (output_rel_error over the tensors that have one).
 """
 
 from __future__ import annotations
@@ -47,6 +54,21 @@ class TensorError:
     signal: float  # sum W^2
     noise: float  # sum (W - W')^2
     max_abs_error: float
+    packed_bits: Optional[int] = None
+    output_signal: Optional[float] = None  # sum (X W^T)^2 over calibration rows
+    output_noise: Optional[float] = None  # sum (X E^T)^2
+
+    @property
+    def packed_bits_per_weight(self) -> Optional[float]:
+        return None if self.packed_bits is None or not self.numel else self.packed_bits / self.numel
+
+    @property
+    def output_rel_error(self) -> Optional[float]:
+        if self.output_signal is None:
+            return None
+        if self.output_signal > 0:
+            return math.sqrt(self.output_noise / self.output_signal)
+        return 0.0 if self.output_noise == 0 else math.inf
 
     @property
     def bits_per_weight(self) -> float:
@@ -65,7 +87,8 @@ class TensorError:
         return 10.0 * math.log10(self.signal / self.noise)
 
 
-COLUMNS = ("name", "format", "shape", "numel", "bits_per_weight", "rel_error", "sqnr_db", "max_abs_error")
+COLUMNS = ("name", "format", "shape", "numel", "bits_per_weight", "packed_bits_per_weight", "rel_error", "sqnr_db", "max_abs_error",
+           "output_rel_error")
 
 
 def describe(quantized, config=None) -> str:
@@ -79,9 +102,11 @@ def describe(quantized, config=None) -> str:
     return fmt.name_of(quantized) if fmt is not None else str(quantized.dtype).replace("torch.", "")
 
 
-def tensor_error(name: str, original: torch.Tensor, quantized, config=None) -> TensorError:
+def tensor_error(name: str, original: torch.Tensor, quantized, config=None,
+                 inputs: Optional[torch.Tensor] = None) -> TensorError:
     """The figures of one tensor (see the module docstring); `quantized` is any registered
-    quantized container (or a plain tensor: a kept weight, error 0 against itself)."""
+    quantized container (or a plain tensor: a kept weight, error 0 against itself); `inputs`
+    [R, K] calibration input rows of the layer (2-D weights only) add output_rel_error."""
     from llmq.quant.quantize import dequantize
 
     if not isinstance(original, torch.Tensor):
@@ -99,8 +124,22 @@ def tensor_error(name: str, original: torch.Tensor, quantized, config=None) -> T
         signal += float(wc.square().sum())
         noise += float(e.square().sum())
         max_err = max(max_err, float(e.abs().max()))
+    out_signal = out_noise = None
+    if inputs is not None and original.dim() == 2:
+        if inputs.dim() != 2 or inputs.shape[1] != original.shape[1]:
+            raise ValueError(f"{name}: calibration inputs have shape {list(inputs.shape)}, expected [rows, "
+                             f"{original.shape[1]}]")
+        x = inputs.to(torch.float64)
+        y = x @ original.detach().to(torch.float64).T
+        out_signal = float(y.square().sum())
+        out_noise = float((y - x @ recon.detach().to(torch.float64).T).square().sum())
+    packed = None
+    if config is not None and format_of(quantized) is not None:
+        from llmq.quant.budget import stored_bits
+
+        packed = stored_bits(quantized, config)
     return TensorError(name, describe(quantized, config), tuple(original.shape), w.numel(), nbytes_of(quantized),
-                       signal, noise, max_err)
+                       signal, noise, max_err, packed, out_signal, out_noise)
 
 
 class ErrorReport:
@@ -109,8 +148,9 @@ class ErrorReport:
     def __init__(self):
         self.rows: List[TensorError] = []
 
-    def add(self, name: str, original: torch.Tensor, quantized, config=None) -> TensorError:
-        row = tensor_error(name, original, quantized, config)
+    def add(self, name: str, original: torch.Tensor, quantized, config=None,
+            inputs: Optional[torch.Tensor] = None) -> TensorError:
+        row = tensor_error(name, original, quantized, config, inputs)
         self.rows.append(row)
         return row
 
@@ -122,20 +162,31 @@ class ErrorReport:
 
     def total(self) -> TensorError:
         rows = self.rows
+        measured = [r for r in rows if r.output_signal is not None]
         return TensorError("TOTAL", "", (), sum(r.numel for r in rows), sum(r.stored_bytes for r in rows),
                            sum(r.signal for r in rows), sum(r.noise for r in rows),
-                           max((r.max_abs_error for r in rows), default=0.0))
+                           max((r.max_abs_error for r in rows), default=0.0),
+                           sum(r.packed_bits for r in rows) if rows and all(r.packed_bits is not None for r in rows)
+                           else None,
+                           sum(r.output_signal for r in measured) if measured else None,
+                           sum(r.output_noise for r in measured) if measured else None)
 
     def summary(self) -> str:
         """One line for a run's final table."""
         t = self.total()
-        return (f"{len(self.rows)} tensors: {t.bits_per_weight:.3f} bits/weight, rel. error {t.rel_error:.4g}, "
-                f"SQNR {t.sqnr_db:.2f} dB")
+        packed = "" if t.packed_bits_per_weight is None else f" ({t.packed_bits_per_weight:.3f} packed)"
+        line = (f"{len(self.rows)} tensors: {t.bits_per_weight:.3f} bits/weight{packed}, rel. error "
+                f"{t.rel_error:.4g}, SQNR {t.sqnr_db:.2f} dB")
+        if t.output_rel_error is not None:
+            line += f", layer output rel. error {t.output_rel_error:.4g} (calibration text)"
+        return line
 
     @staticmethod
     def _cells(r: TensorError) -> List[str]:
         return [r.name, r.format, "x".join(map(str, r.shape)), str(r.numel), f"{r.bits_per_weight:.4f}",
-                f"{r.rel_error:.6g}", f"{r.sqnr_db:.3f}", f"{r.max_abs_error:.6g}"]
+                "" if r.packed_bits_per_weight is None else f"{r.packed_bits_per_weight:.4f}",
+                f"{r.rel_error:.6g}", f"{r.sqnr_db:.3f}", f"{r.max_abs_error:.6g}",
+                "" if r.output_rel_error is None else f"{r.output_rel_error:.6g}"]
 
     def write_csv(self, path: str) -> None:
         with open(path, "w", newline="") as f:

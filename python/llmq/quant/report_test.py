@@ -79,3 +79,26 @@ def test_streamed_report_writes_csv_markdown_png(tmp_path):
     assert [(n, f) for n, _, f in report.sqnr_bars()] == [(r.name, r.format) for r in report.rows]
     assert [h for _, h, _ in report.sqnr_bars()] == pytest.approx([r.sqnr_db for r in report.rows])
     assert top >= max(h for _, h, _ in report.sqnr_bars())
+
+
+def test_output_error_and_packed_bits_against_numpy():
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(24, 64, generator=g) * 0.03
+    x = torch.randn(10, 64, generator=g) * torch.linspace(0.1, 3.0, 64)  # uneven input channels
+    cfg = QuantConfig(bits=4, group_size=32, symmetric=True)
+    q = quantize_weight(w, cfg)
+    row = tensor_error("l.weight", w, q, cfg, inputs=x)
+    a, b, xs = (t.numpy().astype(np.float64) for t in (w, dequantize(q, torch.float32), x))
+    want = np.linalg.norm(xs @ (a - b).T) / np.linalg.norm(xs @ a.T)
+    assert abs(row.output_rel_error - want) < 1e-12 * want
+    # packed: 4-bit codes + one 16-bit scale per 32 weights (symmetric)
+    assert row.packed_bits_per_weight == 4 + 16 / 32
+    assert tensor_error("l.weight", w, q).output_rel_error is None  # no calibration rows: no figure
+    with pytest.raises(ValueError, match="l.weight: calibration inputs have shape"):
+        tensor_error("l.weight", w, q, cfg, inputs=x[:, :32])
+    report = ErrorReport()
+    report.add("l.weight", w, q, cfg, inputs=x)
+    report.add("m.weight", w, q, cfg)
+    total = report.total()
+    assert abs(total.output_rel_error - want) < 1e-12 * want  # only the measured tensor counts
+    assert "layer output rel. error" in report.summary() and "4.500 packed" in report.summary()

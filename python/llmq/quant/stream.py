@@ -8,15 +8,19 @@ from typing import Callable, Iterable, Iterator, Optional, Tuple, Union
 import torch
 
 from llmq.quant.formats import GroupQuantizedWeight
-from llmq.quant.quantize import quantize_weight
+from llmq.quant.importance import Calibration
+from llmq.quant.quantize import quantize_weight, takes_importance
 from llmq.quant.recipe import QuantRecipe
+from llmq.quant.report import ErrorReport
 
 StreamItem = Tuple[str, Union[torch.Tensor, GroupQuantizedWeight]]
 
 
 def quantize_stream(items: Iterable[StreamItem], recipe: QuantRecipe, *, weight_suffix: str = ".weight",
                     num_layers: Optional[int] = None,
-                    module_of: Optional[Callable[[str], Optional[str]]] = None) -> Iterator[StreamItem]:
+                    module_of: Optional[Callable[[str], Optional[str]]] = None,
+                    calibration: Optional[Calibration] = None,
+                    report: Optional[ErrorReport] = None) -> Iterator[StreamItem]:
     """Yield (fqn, quantized weight in the config's format) for each `<module><weight_suffix>`
     tensor whose module the recipe maps to a config, and every other item unchanged. Pulls one item from `items`
     per item yielded. `num_layers` binds recipes that count layers from the end.
@@ -24,6 +28,12 @@ def quantize_stream(items: Iterable[StreamItem], recipe: QuantRecipe, *, weight_
     module_of: name -> the module fqn the recipe sees, or None for "never quantize"; replaces
     the suffix rule for models whose weights are not all `<module>.weight` (e.g. fused MoE
     experts stored as `...experts.gate_up_proj` [E, 2F, D]).
+
+    calibration: per-module statistics from a calibration text (llmq.quant.importance); a
+    config that takes importance weights (method "hqq") gets its module's, and the report
+    gets its input rows (the layer's output error). Modules it has none for quantize without.
+    report: every quantized tensor's error figures are added to it as it passes (the
+    original is dropped right after, as without a report).
     """
     if not isinstance(recipe, QuantRecipe):
         raise ValueError(f"quantize_stream expects a QuantRecipe, got {type(recipe).__name__}")
@@ -39,6 +49,13 @@ def quantize_stream(items: Iterable[StreamItem], recipe: QuantRecipe, *, weight_
         if isinstance(tensor, torch.Tensor) and module is not None:
             config = recipe.get_config(module)
             if config is not None:
-                yield fqn, quantize_weight(tensor, config, name=fqn)
+                importance = calibration.importance_of(module) if calibration is not None else None
+                if importance is not None and not takes_importance(config):
+                    importance = None
+                quantized = quantize_weight(tensor, config, name=fqn, importance=importance)
+                if report is not None:
+                    inputs = calibration.inputs_of(module) if calibration is not None else None
+                    report.add(fqn, tensor, quantized, config, inputs=inputs)
+                yield fqn, quantized
                 continue
         yield fqn, tensor

@@ -1,0 +1,99 @@
+"""--calibration_text, --budget_bits_per_weight and the error report, end to end on the embedded
+Gemma 4 default: the chosen recipe is an ordinary recipe file that reproduces the run, the bits fit
+the budget by the independent count of what the bundle holds, and the report files parse back."""
+
+import csv
+import math
+import os
+
+import pytest
+
+from llmq.checkpoint import load_bundle
+from llmq.quant import GroupQuantizedWeight, load_recipe
+from models.gemma4.pipeline import ARCHITECTURE as GEMMA4
+from models.pipeline.quantize_and_save import UsageError, run
+
+TEXT = "In the beginning the quantizer knew nothing of the text; then it read a few hundred tokens. " * 12
+
+
+def _run(tmp_path, out, **kw):
+    args = dict(checkpoint=None, recipe="int4", backend="bundle", out=str(tmp_path / out), resume=True,
+                max_shard_size=1 << 20, verify=False, seed=0, progress=False, error_report=True)
+    args.update(kw)
+    return run(GEMMA4, **args)
+
+
+@pytest.fixture(scope="module")
+def budgeted(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("budget")
+    text = tmp / "calibration.txt"
+    text.write_text(TEXT)
+    result = _run(tmp, "budget", calibration_text=str(text), calibration_tokens=256, budget_bits_per_weight=4.5)
+    return tmp, text, result
+
+
+def _packed_bits(value, name):
+    """Bits as backends pack them, counted here from the bundle's own tensors: b-bit codes plus a
+    16-bit scale and a 16-bit zero per group (every budget candidate is asymmetric)."""
+    assert isinstance(value, GroupQuantizedWeight), name
+    groups = value.scale.numel()
+    return math.prod(value.shape) * value.bits + groups * 32
+
+
+def test_budget_fits_and_its_recipe_file_is_what_the_bundle_holds(budgeted):
+    tmp, _, result = budgeted
+    recipe_path = os.path.join(result["bundle"], "budget_recipe.json")
+    recipe = load_recipe(recipe_path)  # an ordinary recipe file
+    tensors = load_bundle(result["bundle"])
+    quantized = {n: v for n, v in tensors.items() if isinstance(v, GroupQuantizedWeight)}
+    assert len(quantized) == result["quantized"] == len(recipe.rules)
+    bits = numel = 0
+    for name, value in quantized.items():
+        config = recipe.get_config(name[: -len(".weight")])
+        assert config is not None and (config.bits, config.group_size) == (value.bits, value.group_size), name
+        bits += _packed_bits(value, name)
+        numel += math.prod(value.shape)
+    assert bits <= 4.5 * numel
+    assert bits >= 4.0 * numel  # the budget is spent, not ignored
+    assert len({(v.bits, v.group_size) for v in quantized.values()}) > 1  # mixed precision
+
+
+def test_the_recipe_file_reproduces_the_run(budgeted):
+    tmp, text, result = budgeted
+    again = _run(tmp, "again", calibration_text=str(text), calibration_tokens=256,
+                 recipe=os.path.join(result["bundle"], "budget_recipe.json"))
+    first, second = load_bundle(result["bundle"]), load_bundle(again["bundle"])
+    assert set(first) == set(second)
+    for name, value in first.items():
+        other = second[name]
+        if isinstance(value, GroupQuantizedWeight):
+            assert value.qdata.equal(other.qdata) and value.scale.equal(other.scale), name
+        else:
+            assert value.equal(other), name
+
+
+def test_error_report_files_parse_back(budgeted):
+    _, _, result = budgeted
+    folder = result["bundle"]
+    with open(os.path.join(folder, "quant_error.csv")) as f:
+        rows = list(csv.DictReader(f))
+    assert [r["name"] for r in rows[:-1]] == [r.name for r in result["error_report"].rows]
+    assert len(rows) - 1 == result["quantized"] and rows[-1]["name"] == "TOTAL"
+    linear = [r for r in rows[:-1] if r["output_rel_error"]]
+    assert linear and all(0 < float(r["output_rel_error"]) < 1 for r in linear)  # calibration: output errors
+    assert abs(float(rows[-1]["packed_bits_per_weight"]) - result["budget"].bits_per_weight) < 1e-3
+    with open(os.path.join(folder, "quant_error.png"), "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert "| name |" in open(os.path.join(folder, "quant_error.md")).read()
+
+
+def test_bad_calibration_text_and_budget_are_one_line(tmp_path):
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes(b"caf\xe9 " * 100)
+    with pytest.raises(UsageError, match=r"--calibration_text .*latin1.txt: not UTF-8"):
+        _run(tmp_path, "a", calibration_text=str(bad))
+    with pytest.raises(UsageError, match=r"--calibration_text .*missing.txt"):
+        _run(tmp_path, "b", calibration_text=str(tmp_path / "missing.txt"))
+    with pytest.raises(UsageError, match=r"--budget_bits_per_weight: budget 1.5 bits per weight is below"):
+        _run(tmp_path, "c", budget_bits_per_weight=1.5)
+    assert not os.path.exists(tmp_path / "a") and not os.path.exists(tmp_path / "c")  # nothing written

@@ -1,0 +1,72 @@
+"""--budget_bits_per_weight: choose, per quantized matrix, the integer format that keeps the total
+weight error smallest while everything the recipe quantizes fits the budget
+(llmq.quant.budget: measure, choose, write as a recipe).
+
+Which matrices: those the run's recipe (--recipe, or the model's default) quantizes and that
+arrive as float tensors (a GGUF's quantized blocks are kept as they are and not counted). The
+candidates: `llmq.quant.budget.DEFAULT_OPTIONS` (3, 4, 5, 6, 8 bits, groups of 32 and 4-bit
+groups of 128, asymmetric) with --budget_method; bits are counted as backends pack them
+(`stored_bits`: 16-bit scales and zero points). With --calibration_text the errors are weighted
+by each layer's importance. One pass over the input measures every option (only the numbers are
+kept); the quantizing pass then reads the input again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from llmq.quant import QuantRecipe
+from llmq.quant.budget import DEFAULT_OPTIONS, Option, budget_recipe, choose, measure_options, summarize
+from llmq.quant.importance import Calibration
+from models.pipeline.arch import quantizable_module
+from models.pipeline.errors import UsageError
+
+RECIPE_FILE = "budget_recipe.json"
+
+
+@dataclasses.dataclass
+class BudgetChoice:
+    recipe: QuantRecipe
+    bits_per_weight: float  # achieved, over the matrices counted
+    matrices: int
+    counts: Dict[str, int]  # config description -> how many matrices took it
+
+
+def candidates(method: str):
+    return tuple(dataclasses.replace(c, method=method) for c in DEFAULT_OPTIONS)
+
+
+def choose_recipe(stream: Callable, base: QuantRecipe, num_layers: int, budget_bits_per_weight: float, method: str,
+                  calibration: Optional[Calibration] = None) -> BudgetChoice:
+    bound = base.bind(num_layers)
+    configs = candidates(method)
+    options: Dict[str, List[Option]] = {}
+    numel: Dict[str, int] = {}
+    modules: Dict[str, str] = {}
+    for fqn, value in stream():
+        module = quantizable_module(fqn)
+        if module is None or not isinstance(value, torch.Tensor) or bound.get_config(module) is None:
+            continue
+        importance = calibration.importance_of(module) if calibration is not None else None
+        try:
+            options[fqn] = measure_options(fqn, value, configs, importance=importance)
+        except ValueError as e:
+            raise UsageError(f"--budget_bits_per_weight: {e}") from None
+        numel[fqn] = value.numel()
+        modules[fqn] = module
+    if not options:
+        raise UsageError("--budget_bits_per_weight: the recipe quantizes no float matrix of this checkpoint; "
+                         "nothing to choose formats for")
+    try:
+        choice = choose(options, numel, budget_bits_per_weight)
+    except ValueError as e:
+        raise UsageError(f"--budget_bits_per_weight: {e}") from None
+    chosen = [(modules[n], options[n][i].config) for n, i in choice.items()]
+    counts: Dict[str, int] = {}
+    for _, config in chosen:
+        counts[config.describe()] = counts.get(config.describe(), 0) + 1
+    return BudgetChoice(budget_recipe(chosen), summarize(options, numel, choice)["bits_per_weight"], len(chosen),
+                        counts)
