@@ -257,3 +257,15 @@ def test_load_recipe_takes_a_callers_presets_without_changing_the_global_ones():
     assert load_recipe("nvfp4").get_config("model.layers.0.mlp.down_proj").format == "nvfp4"
     with pytest.raises(ValueError, match="known preset .*only-mine"):
         load_recipe("nope", presets={"only-mine": mine})
+
+
+def test_to_file_writes_one_rule_per_line_and_reads_back_equal(tmp_path):
+    recipe = QuantRecipe([QuantRule(r"model\.layers\.0\.mlp\.up_proj", QuantConfig(bits=3, group_size=32, symmetric=False,
+                                                                                  method="hqq")),
+                          QuantRule(r".*norm.*", None),
+                          QuantRule(r".*", QuantConfig(bits=4, group_size=128))], num_layers=4)
+    path = tmp_path / "chosen.json"
+    recipe.to_file(path, description="written by a test")
+    lines = path.read_text().splitlines()
+    assert len(lines) == 2 + len(recipe.rules) and '"description": "written by a test"' in lines[0]
+    assert QuantRecipe.from_file(path) == recipe
