@@ -272,13 +272,13 @@ def main(argv=None) -> int:
         if name in simple:
             variants[name], bpw[name] = llmq_variant(reference, names, lambda n, c=simple[name]: c)
         elif name in ("imatrix", "imatrix-g64"):  # HQQ minimising the importance-weighted error
-            config = simple["hqq"] if name == "imatrix" else QuantConfig(bits=4, group_size=64, symmetric=False,
+            qconfig = simple["hqq"] if name == "imatrix" else QuantConfig(bits=4, group_size=64, symmetric=False,
                                                                           method="hqq")
             out, bits, count = {}, 0, 0
             for n in names:
-                q = quantize_weight(reference[n], config, name=n, importance=importance[n[: -len(".weight")]])
+                q = quantize_weight(reference[n], qconfig, name=n, importance=importance[n[: -len(".weight")]])
                 out[n] = dequantize(q, torch.float32)
-                bits += stored_bits(q, config)
+                bits += stored_bits(q, qconfig)
                 count += reference[n].numel()
             variants[name], bpw[name] = out, bits / count
         elif name == "budget":
