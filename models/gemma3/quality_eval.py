@@ -150,11 +150,12 @@ def llmq_variant(tensors: Dict[str, torch.Tensor], names: List[str], recipe_for:
                  importance: Optional[Dict[str, torch.Tensor]] = None) -> Tuple[Dict[str, torch.Tensor], float]:
     """Quantize then dequantize every projection; (dequantized weights, bits per weight)."""
     from llmq.quant import dequantize, quantize_weight
+    from llmq.quant.quantize import takes_importance
 
     out, bits, count = {}, 0, 0
     for n in names:
         config = recipe_for(n)
-        imp = importance[n] if importance is not None and config.method == "hqq" else None
+        imp = importance[n] if importance is not None and takes_importance(config) else None
         q = quantize_weight(tensors[n], config, name=n, importance=imp)
         out[n] = dequantize(q, torch.float32)
         bits += stored_bits(q, config)
@@ -250,7 +251,7 @@ def main(argv=None) -> int:
         print(f"wrote {args.write_reference_gguf}")
         return 0
 
-    from llmq.quant import QuantConfig, dequantize, quantize_weight
+    from llmq.quant import QuantConfig
 
     wanted = [v for v in args.variants.split(",") if v]
     variants: Dict[str, Dict[str, torch.Tensor]] = {}
@@ -273,14 +274,9 @@ def main(argv=None) -> int:
             variants[name], bpw[name] = llmq_variant(reference, names, lambda n, c=simple[name]: c)
         elif name in ("imatrix", "imatrix-g64"):  # HQQ minimising the importance-weighted error
             qconfig = simple["hqq"] if name == "imatrix" else QuantConfig(bits=4, group_size=64, symmetric=False,
-                                                                          method="hqq")
-            out, bits, count = {}, 0, 0
-            for n in names:
-                q = quantize_weight(reference[n], qconfig, name=n, importance=importance[n[: -len(".weight")]])
-                out[n] = dequantize(q, torch.float32)
-                bits += stored_bits(q, qconfig)
-                count += reference[n].numel()
-            variants[name], bpw[name] = out, bits / count
+                                                                           method="hqq")
+            variants[name], bpw[name] = llmq_variant(reference, names, lambda n, c=qconfig: c,
+                                                     importance={n: importance[n[: -len(".weight")]] for n in names})
         elif name == "budget":
             from llmq.quant.budget import choose, measure_options
 

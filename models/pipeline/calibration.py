@@ -60,7 +60,6 @@ def calibrate(arch: Architecture, config, source, model_stream: Callable, text_p
         raise UsageError(f"--calibration_text {text_path}: the tokenizer gives id {int(ids.max())}, outside the "
                          f"model's vocabulary of {vocab}")
     model = build_quantized_model(arch.build_model(config, device="meta"), dict(model_stream())).eval()
-    calibration = collect_calibration(model, token_batches(ids, WINDOW), total_tokens=int(ids.numel()),
-                                      sample_rows=SAMPLE_ROWS)
+    calibration = collect_calibration(model, token_batches(ids, WINDOW), sample_rows=SAMPLE_ROWS)
     del model
     return calibration

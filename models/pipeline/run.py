@@ -207,7 +207,7 @@ def run(arch: Architecture, *, checkpoint: Optional[str], recipe: Optional[str],
         if source.from_gguf:
             rows.insert(1, ("input", f"GGUF {checkpoint}"))
         result.update({"bundle": written, "tensors": tally.tensors, "quantized": tally.quantized,
-                  "bytes_in": tally.bytes_in, "bytes_out": tally.bytes_out, "progress_total": len(names)})
+                       "bytes_in": tally.bytes_in, "bytes_out": tally.bytes_out, "progress_total": len(names)})
         failure = None
         if verify:
             check_rows, check, failure = verification.verify(

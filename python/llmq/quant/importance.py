@@ -98,16 +98,17 @@ class Calibration:
 
 
 @torch.no_grad()
-def collect_calibration(model: nn.Module, batches: Iterable[torch.Tensor], *, total_tokens: int,
-                        sample_rows: int = 64, floor: float = 1e-6) -> Calibration:
-    """collect_importance plus, per linear, every (total_tokens // sample_rows)-th input row
-    (at most sample_rows of them): enough to measure a layer's output error ||X (W - W')^T||
-    on real activations without keeping them all (sample_rows * K floats per layer)."""
-    acc = _Accumulator(sample_rows=sample_rows, sample_every=max(1, total_tokens // max(sample_rows, 1)))
-    batches = list(batches)
+def collect_calibration(model: nn.Module, batches: Iterable[torch.Tensor], *, sample_rows: int = 64,
+                        floor: float = 1e-6) -> Calibration:
+    """collect_importance plus, per linear, every (tokens // sample_rows)-th input row (at most
+    sample_rows of them): enough to measure a layer's output error ||X (W - W')^T|| on real
+    activations without keeping them all (sample_rows * K floats per layer)."""
+    batches = list(batches)  # token ids only: the count sets the sampling stride before the run
+    tokens = sum(int(b.numel()) for b in batches)
+    acc = _Accumulator(sample_rows=sample_rows, sample_every=max(1, tokens // max(sample_rows, 1)))
     _run(model, batches, acc)
     inputs = {name: torch.cat(rows) for name, rows in acc.samples.items() if rows}
-    return Calibration(_importance(acc, floor), inputs, sum(int(b.numel()) for b in batches))
+    return Calibration(_importance(acc, floor), inputs, tokens)
 
 
 def token_batches(ids: torch.Tensor, seq_len: int) -> Iterable[torch.Tensor]:

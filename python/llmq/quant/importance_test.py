@@ -50,7 +50,7 @@ def test_calibration_keeps_evenly_spread_input_rows():
     torch.manual_seed(1)
     model = Tiny()
     ids = torch.randint(0, 50, (37,))
-    cal = collect_calibration(model, token_batches(ids, 10), total_tokens=37, sample_rows=6)
+    cal = collect_calibration(model, token_batches(ids, 10), sample_rows=6)
     assert cal.tokens == 37
     x = model.embed.weight[ids].detach()
     every = 37 // 6  # token t kept when t % every == 0, at most 6 rows
