@@ -20,15 +20,14 @@ How it works:
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from llmq.quant.formats import nbytes_of
+from llmq.quant.formats import get_format
 from llmq.quant.quantize import dequantize, quantize_weight, takes_importance
-from llmq.quant.recipe import INT_FORMAT, QuantConfig, QuantRecipe, QuantRule
+from llmq.quant.recipe import QuantConfig, QuantRecipe, QuantRule
 
 # Integer group-wise options every backend takes (MLX: bits 3..8, groups 32..128).
 DEFAULT_OPTIONS: Tuple[QuantConfig, ...] = (
@@ -51,11 +50,8 @@ class Option:
 
 
 def stored_bits(q, config: QuantConfig) -> int:
-    """Bits a backend stores for quantized weight `q` (see the module docstring)."""
-    if config.format == INT_FORMAT:
-        groups = q.scale.numel()
-        return math.prod(q.shape) * config.bits + groups * (16 if config.symmetric else 32)
-    return nbytes_of(q) * 8
+    """Bits a backend stores for quantized weight `q` (its format's `packed_bits`)."""
+    return get_format(config.format).packed_bits(q, config)
 
 
 def weight_error(w: torch.Tensor, approx: torch.Tensor, importance: Optional[torch.Tensor] = None) -> float:

@@ -328,6 +328,12 @@ class IntAffineFormat(Format):
                                     bits=params.get("bits"), group_size=params.get("group_size"),
                                     shape=tuple(shape), dtype=dtype)
 
+    def packed_bits(self, value: GroupQuantizedWeight, config: Any) -> int:
+        """Codes plus a 16-bit scale per group, and a 16-bit zero point when asymmetric, as MLX and
+        GGUF store them (the canonical form's float32 scale and bias are wider)."""
+        groups = value.scale.numel()
+        return math.prod(value.shape) * value.bits + groups * (16 if config.symmetric else 32)
+
     def layout(self, name, params, shape) -> Layout:
         lead = tuple(shape[:-1]) if len(shape) >= 2 else (1,)
         k, bits, gs = shape[-1], params["bits"], params["group_size"]
