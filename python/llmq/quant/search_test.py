@@ -329,3 +329,37 @@ def test_importance_is_refused_for_minmax_and_checked():
         quantize_weight(w, QuantConfig(bits=4, group_size=32), name="w", importance=torch.ones(64))
     with pytest.raises(ValueError, match="finite and > 0"):
         quantize_weight(w, QuantConfig(bits=4, group_size=32, method="search"), name="w", importance=torch.zeros(64))
+
+
+def _adversarial(kind, shape, gen):
+    if kind == "tiny":  # subnormal float32: the estimate's underflow slack
+        return torch.randn(shape, generator=gen) * 1e-39
+    if kind == "huge":
+        return torch.randn(shape, generator=gen) * 1e37
+    if kind == "grid":  # groups exactly on a grid: many candidates tie at error 0
+        return torch.randint(-8, 8, shape, generator=gen).float() * 0.125
+    w = torch.zeros(shape)  # sparse: mostly zeros, a few Student-t values
+    n = torch.randn(shape, generator=gen) / torch.randn(shape + (2,), generator=gen).square().mean(-1).sqrt()
+    w[..., ::7] = n[..., ::7]
+    return w
+
+
+@pytest.mark.parametrize("kind", ["tiny", "huge", "grid", "sparse"])
+@pytest.mark.parametrize("bits,symmetric", [(2, False), (3, True), (4, True), (4, False), (8, False)])
+def test_vector_path_matches_exact_path_on_adversarial_groups(kind, bits, symmetric):
+    """The AVX2 path (bounded float32 estimates, skipped scales, exact recheck) chooses what the
+    portable path (every candidate exactly, the reference's arithmetic) chooses, where the
+    bounds are tightest: ties, subnormals, huge values, weights over many magnitudes."""
+    from llmq.quant import _native
+
+    _require_search_quantize()
+    if _native.best_isa() not in ("avx2", "avx512"):
+        pytest.skip("no AVX2 on this CPU: only the portable path exists")
+    gen = torch.Generator().manual_seed(bits * 10 + symmetric)
+    for gs in (13, 32):
+        w = _adversarial(kind, (8, gs * 16), gen).contiguous()
+        for imp in (None, torch.exp(torch.randn(gs * 16, generator=gen) * 3)):
+            a = _native.search_qparams(w, gs, bits, symmetric, importance=imp, isa="scalar", threads=1)
+            b = _native.search_qparams(w, gs, bits, symmetric, importance=imp, isa="avx2", threads=2)
+            assert torch.equal(a[0].view(torch.int32), b[0].view(torch.int32)), (gs, imp is None)
+            assert a[1] is None or torch.equal(a[1], b[1]), (gs, imp is None)
