@@ -102,6 +102,22 @@ inline bool group_params(float xmin, float xmax, int bits, bool symmetric, Group
   return true;
 }
 
+// Parameters from a given scale (and integer zero when asymmetric): the same formulas as
+// group_params after its scale / zero choice.
+inline GroupParams given_params(float scale, float zero, int bits, bool symmetric) {
+  GroupParams p;
+  p.scale = scale;
+  p.inv = 1.0f / scale;
+  if (symmetric) {
+    p.add = static_cast<float>(1 << (bits - 1));
+    p.bias = scale * -static_cast<float>(1 << (bits - 1));
+  } else {
+    p.add = zero;
+    p.bias = 0.0f - zero * scale;
+  }
+  return p;
+}
+
 inline uint8_t quantize_one(float x, const GroupParams& p, float qmax) {
   float r = std::nearbyint(x * p.inv) + p.add;
   r = std::min(std::max(r, 0.0f), qmax);
@@ -346,37 +362,47 @@ LLMQ_AVX512 inline __m512i codes16(const void* w, int64_t i, __m512 vinv, __m512
 
 template <InputType T>
 LLMQ_AVX512 Status row_avx512(const QuantizeArgs& a, const void* row, uint8_t* out, float* scale, float* bias,
-                              RowScratch* s) {
+                              const float* given_sc, const float* given_z, RowScratch* s) {
   const int64_t k = a.k, gs = a.group_size, groups = k / gs;
   const bool whole_vectors = gs % 16 == 0;
-  // sweep 1: min / max per group, NaN/Inf anywhere in the row
-  if (whole_vectors) {
-    __m512i vnan = _mm512_setzero_si512();
+  if (given_sc) {
     for (int64_t g = 0; g < groups; ++g) {
-      __m512 vmin = _mm512_set1_ps(INFINITY), vmax = _mm512_set1_ps(-INFINITY);
-      for (int64_t i = g * gs; i < (g + 1) * gs; i += 16) {
-        const __m512 x = load16<T>(row, i);
-        vmin = _mm512_min_ps(vmin, x);
-        vmax = _mm512_max_ps(vmax, x);
-        vnan = _mm512_or_si512(vnan, _mm512_castps_si512(_mm512_sub_ps(x, x)));  // +0 iff finite
-      }
-      s->mn[g] = _mm512_reduce_min_ps(vmin);
-      s->mx[g] = _mm512_reduce_max_ps(vmax);
+      const GroupParams p = given_params(given_sc[g], given_z ? given_z[g] : 0.0f, a.bits, a.symmetric);
+      scale[g] = p.scale;
+      bias[g] = p.bias;
+      s->inv[g] = p.inv;
+      s->add[g] = p.add;
     }
-    if (_mm512_test_epi32_mask(vnan, vnan)) return Status::kNotFinite;
   } else {
-    for (int64_t g = 0; g < groups; ++g) {
-      float mn = INFINITY, mx = -INFINITY;
-      if (!minmax_avx512<T>(row, g * gs, (g + 1) * gs, &mn, &mx)) return Status::kNotFinite;
-      s->mn[g] = mn;
-      s->mx[g] = mx;
+    // sweep 1: min / max per group, NaN/Inf anywhere in the row
+    if (whole_vectors) {
+      __m512i vnan = _mm512_setzero_si512();
+      for (int64_t g = 0; g < groups; ++g) {
+        __m512 vmin = _mm512_set1_ps(INFINITY), vmax = _mm512_set1_ps(-INFINITY);
+        for (int64_t i = g * gs; i < (g + 1) * gs; i += 16) {
+          const __m512 x = load16<T>(row, i);
+          vmin = _mm512_min_ps(vmin, x);
+          vmax = _mm512_max_ps(vmax, x);
+          vnan = _mm512_or_si512(vnan, _mm512_castps_si512(_mm512_sub_ps(x, x)));  // +0 iff finite
+        }
+        s->mn[g] = _mm512_reduce_min_ps(vmin);
+        s->mx[g] = _mm512_reduce_max_ps(vmax);
+      }
+      if (_mm512_test_epi32_mask(vnan, vnan)) return Status::kNotFinite;
+    } else {
+      for (int64_t g = 0; g < groups; ++g) {
+        float mn = INFINITY, mx = -INFINITY;
+        if (!minmax_avx512<T>(row, g * gs, (g + 1) * gs, &mn, &mx)) return Status::kNotFinite;
+        s->mn[g] = mn;
+        s->mx[g] = mx;
+      }
     }
+    for (int64_t g = 0; g < groups; ++g)
+      if (!std::isfinite(s->mn[g]) || !std::isfinite(s->mx[g])) return Status::kNotFinite;
+    if (!params_avx512(s->mn.data(), s->mx.data(), groups, a.bits, a.symmetric, scale, bias, s->inv.data(),
+                       s->add.data()))
+      return Status::kRangeOverflow;
   }
-  for (int64_t g = 0; g < groups; ++g)
-    if (!std::isfinite(s->mn[g]) || !std::isfinite(s->mx[g])) return Status::kNotFinite;
-  if (!params_avx512(s->mn.data(), s->mx.data(), groups, a.bits, a.symmetric, scale, bias, s->inv.data(),
-                     s->add.data()))
-    return Status::kRangeOverflow;
   // sweep 2: quantize (and pack)
   const float qmax = static_cast<float>((1 << a.bits) - 1);
   const __m512 vhi = _mm512_set1_ps(qmax);
@@ -450,7 +476,8 @@ void advise_huge_pages(void* p, size_t bytes) {
 
 size_t element_size(InputType t) { return t == InputType::kFloat32 ? 4 : 2; }
 
-using RowFn = Status (*)(const QuantizeArgs&, const void*, uint8_t*, float*, float*, RowScratch*);
+using RowFn = Status (*)(const QuantizeArgs&, const void*, uint8_t*, float*, float*, const float*, const float*,
+                         RowScratch*);
 
 RowFn avx512_row_for(InputType t) {
 #if !LLMQ_QUANT_X86
@@ -470,16 +497,21 @@ RowFn avx512_row_for(InputType t) {
 
 // One row through the per-group sweeps (portable and AVX2 paths).
 Status row_by_groups(const QuantizeArgs& a, const Sweeps& s, const void* row, uint8_t* out, float* scale,
-                     float* bias, RowScratch* scratch) {
+                     float* bias, const float* given_sc, const float* given_z, RowScratch* scratch) {
   const int64_t k = a.k, gs = a.group_size, groups = k / gs;
   const float qmax = static_cast<float>((1 << a.bits) - 1);
   uint8_t* q = a.bits == 8 ? out : scratch->codes.data();
   for (int64_t g = 0; g < groups; ++g) {
-    float mn = INFINITY, mx = -INFINITY;
     const int64_t begin = g * gs, end = begin + gs;
-    if (!s.minmax(row, begin, end, &mn, &mx) || !std::isfinite(mn) || !std::isfinite(mx)) return Status::kNotFinite;
     GroupParams p;
-    if (!group_params(mn, mx, a.bits, a.symmetric, &p)) return Status::kRangeOverflow;
+    if (given_sc) {
+      p = given_params(given_sc[g], given_z ? given_z[g] : 0.0f, a.bits, a.symmetric);
+    } else {
+      float mn = INFINITY, mx = -INFINITY;
+      if (!s.minmax(row, begin, end, &mn, &mx) || !std::isfinite(mn) || !std::isfinite(mx))
+        return Status::kNotFinite;
+      if (!group_params(mn, mx, a.bits, a.symmetric, &p)) return Status::kRangeOverflow;
+    }
     s.quant(row, begin, end, p, qmax, q + begin);
     scale[g] = p.scale;
     bias[g] = p.bias;
@@ -504,8 +536,10 @@ void quantize_rows(const QuantizeArgs& a, Isa isa, int64_t r0, int64_t r1, std::
     uint8_t* out = a.qdata + r * row_bytes;
     float* scale = a.scale + r * groups;
     float* bias = a.bias + r * groups;
-    const Status st = fast_row ? fast_row(a, row, out, scale, bias, &scratch)
-                               : row_by_groups(a, sweeps, row, out, scale, bias, &scratch);
+    const float* given_sc = a.given_scale ? a.given_scale + r * groups : nullptr;
+    const float* given_z = a.given_zero && !a.symmetric ? a.given_zero + r * groups : nullptr;
+    const Status st = fast_row ? fast_row(a, row, out, scale, bias, given_sc, given_z, &scratch)
+                               : row_by_groups(a, sweeps, row, out, scale, bias, given_sc, given_z, &scratch);
     if (st != Status::kOk) {
       status->store(static_cast<int>(st));
       return;
@@ -558,6 +592,7 @@ std::string check_args(const QuantizeArgs& a) {
     return "K=" + std::to_string(a.k) + " cannot be packed at " + std::to_string(a.bits) + " bits";
   if (a.rows > 0 && (!a.w || !a.qdata || !a.scale || !a.bias)) return "null pointer argument";
   if (a.threads < 0) return "threads must be >= 0";
+  if (a.rows > 0 && !a.symmetric && a.given_scale && !a.given_zero) return "given_scale without given_zero";
   const Isa best = detect_isa();
   if (a.isa != Isa::kAuto && static_cast<int>(a.isa) > static_cast<int>(best))
     return std::string("isa ") + isa_name(a.isa) + " is not supported by this CPU (best: " + isa_name(best) + ")";
@@ -596,6 +631,20 @@ Status quantize(const QuantizeArgs& a) {
     for (auto& th : pool) th.join();
   }
   return static_cast<Status>(status.load());
+}
+
+void to_float32(const void* data, InputType input, int64_t n, float* out) {
+  switch (input) {
+    case InputType::kFloat32:
+      std::memcpy(out, data, static_cast<size_t>(n) * sizeof(float));
+      return;
+    case InputType::kBFloat16:
+      for (int64_t i = 0; i < n; ++i) out[i] = load_scalar<InputType::kBFloat16>(data, i);
+      return;
+    case InputType::kFloat16:
+      for (int64_t i = 0; i < n; ++i) out[i] = load_scalar<InputType::kFloat16>(data, i);
+      return;
+  }
 }
 
 // -- non-finite scan --------------------------------------------------------------------------

@@ -39,6 +39,13 @@ struct QuantizeArgs {
   float* bias = nullptr;     // [rows, k/group_size]
   int threads = 0;           // 0 = every CPU this process may run on
   Isa isa = Isa::kAuto;
+  // Optional per-group parameters chosen elsewhere (method "search", search_quant.h):
+  // float32 [rows, k/group_size] scales and, when !symmetric, integer-valued zeros. When
+  // given_scale is set no min/max sweep runs: codes, packing and bias follow the same rules
+  // from these (symmetric: zero 2^(b-1), bias = -2^(b-1)*scale; asymmetric: bias =
+  // 0 - zero*scale). Inputs must then be finite (not re-checked). `scale` may alias given_scale.
+  const float* given_scale = nullptr;
+  const float* given_zero = nullptr;
 };
 
 // Empty if the arguments describe a layout this kernel handles, else a reason.
@@ -56,6 +63,9 @@ struct NonFiniteCounts {
   int64_t inf = 0;
 };
 NonFiniteCounts count_nonfinite(const void* data, InputType input, int64_t n);
+
+// out[i] = float32 value of element i of `input` at `data`, i < n (exact).
+void to_float32(const void* data, InputType input, int64_t n, float* out);
 
 // The best ISA path this CPU supports (what kAuto picks), and its name.
 Isa detect_isa();

@@ -69,14 +69,45 @@ std::string run_quantize(uintptr_t w, const std::string& input, int64_t rows, in
 }
 
 // Method "search": (scale, zero) per group of float32 rows g [rows, k] into scale / zero
-// [rows, k/group_size] (zero == 0: symmetric, not written).
+// [rows, k/group_size] (zero == 0: symmetric, not written). importance: 0, or the address of
+// float32 [k] positive per-input-channel weights.
 void run_search_qparams(uintptr_t g, int64_t rows, int64_t k, int64_t group_size, int bits, bool symmetric,
-                        uintptr_t scale, uintptr_t zero, int threads) {
+                        uintptr_t scale, uintptr_t zero, int threads, uintptr_t importance, const std::string& isa) {
   if (rows < 0 || k <= 0 || group_size <= 0 || k % group_size || bits < 2 || bits > 8)
     throw std::invalid_argument("search_qparams: bad rows/k/group_size/bits");
+  const Isa i = parse_isa(isa);
   py::gil_scoped_release release;
   search_qparams(reinterpret_cast<const float*>(g), rows, k, group_size, bits, symmetric,
-                 reinterpret_cast<float*>(scale), symmetric ? nullptr : reinterpret_cast<float*>(zero), threads);
+                 reinterpret_cast<float*>(scale), symmetric ? nullptr : reinterpret_cast<float*>(zero), threads,
+                 reinterpret_cast<const float*>(importance), i);
+}
+
+// Method "search" end to end (search_quantize): like run_quantize, plus importance (0 or
+// the address of float32 [k]). Returns "ok", "not_finite" or "range_overflow".
+std::string run_search_quantize(uintptr_t w, const std::string& input, int64_t rows, int64_t k, int bits,
+                                int64_t group_size, bool symmetric, uintptr_t qdata, uintptr_t scale, uintptr_t bias,
+                                int threads, const std::string& isa, uintptr_t importance) {
+  QuantizeArgs a;
+  a.w = reinterpret_cast<const void*>(w);
+  a.input = parse_input(input);
+  a.rows = rows;
+  a.k = k;
+  a.bits = bits;
+  a.group_size = group_size;
+  a.symmetric = symmetric;
+  a.qdata = reinterpret_cast<uint8_t*>(qdata);
+  a.scale = reinterpret_cast<float*>(scale);
+  a.bias = reinterpret_cast<float*>(bias);
+  a.threads = threads;
+  a.isa = parse_isa(isa);
+  const std::string err = check_args(a);
+  if (!err.empty()) throw std::invalid_argument(err);
+  Status s;
+  {
+    py::gil_scoped_release release;
+    s = search_quantize(a, reinterpret_cast<const float*>(importance));
+  }
+  return s == Status::kNotFinite ? "not_finite" : s == Status::kRangeOverflow ? "range_overflow" : "ok";
 }
 
 // Method "hqq": (scale, float zero) per group of float32 rows g [rows, k] into scale / zero
@@ -194,7 +225,12 @@ PYBIND11_MODULE(_quant_kernel, m) {
         "Quantize rows [rows, k] at the given addresses; returns 'ok', 'not_finite' or 'range_overflow'.");
   m.def("search_qparams", &run_search_qparams, py::arg("g"), py::arg("rows"), py::arg("k"), py::arg("group_size"),
         py::arg("bits"), py::arg("symmetric"), py::arg("scale"), py::arg("zero"), py::arg("threads"),
+        py::arg("importance") = 0, py::arg("isa") = "auto",
         "Method 'search': per-group (scale, zero) of float32 rows (search_quant.h).");
+  m.def("search_quantize", &run_search_quantize, py::arg("w"), py::arg("input"), py::arg("rows"), py::arg("k"),
+        py::arg("bits"), py::arg("group_size"), py::arg("symmetric"), py::arg("qdata"), py::arg("scale"),
+        py::arg("bias"), py::arg("threads") = 0, py::arg("isa") = "auto", py::arg("importance") = 0,
+        "Method 'search' end to end: codes, scale, bias (search_quant.h); 'ok', 'not_finite' or 'range_overflow'.");
   m.def("hqq_qparams", &run_hqq_qparams, py::arg("g"), py::arg("rows"), py::arg("k"), py::arg("group_size"),
         py::arg("bits"), py::arg("scale"), py::arg("zero"), py::arg("threads"), py::arg("importance") = 0,
         "Method 'hqq': per-group (scale, float zero) of float32 rows (hqq_quant.h).");

@@ -3,8 +3,8 @@
 The text is tokenized with the checkpoint's own tokenizer (an HF folder's tokenizer files, a
 GGUF's tokenizer.ggml.* metadata, the embedded default's byte-level one), cut to --calibration_tokens,
 and run through the unquantized model in windows of WINDOW tokens. What is kept per linear layer
-(llmq.quant.importance.Calibration): E[x^2] per input column (the importance that method "hqq"
-and --budget_bits_per_weight weight their errors by) and up to SAMPLE_ROWS input rows (the error
+(llmq.quant.importance.Calibration): E[x^2] per input column (the importance that methods "hqq"
+and "search" (llmq.quant.takes_importance) and --budget_bits_per_weight weight their errors by) and up to SAMPLE_ROWS input rows (the error
 report's layer output error). The model is held in memory for this step only, as --verify does.
 """
 

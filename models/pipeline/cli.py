@@ -48,7 +48,7 @@ flags.DEFINE_boolean("error_report", None, "Write quant_error.csv/.md/.png into 
                      "below the plain stream's speed).")
 flags.DEFINE_string("calibration_text", None, "A UTF-8 text file (not the text you evaluate on). The unquantized model "
                     "runs on its first --calibration_tokens tokens; each layer's mean squared input per column "
-                    "weights the error that method 'hqq' and --budget_bits_per_weight minimise, and the error report "
+                    "weights the error that methods 'hqq' and 'search' and --budget_bits_per_weight minimise, and the error report "
                     "gains each layer's output error. Without it every method is calibration-free.")
 flags.DEFINE_integer("calibration_tokens", 512, "Tokens of --calibration_text to run.", lower_bound=2)
 flags.DEFINE_float("budget_bits_per_weight", None, "Choose per matrix among 3/4/5/6/8-bit integer formats so the "

@@ -97,3 +97,32 @@ def test_bad_calibration_text_and_budget_are_one_line(tmp_path):
     with pytest.raises(UsageError, match=r"--budget_bits_per_weight: budget 1.5 bits per weight is below"):
         _run(tmp_path, "c", budget_bits_per_weight=1.5)
     assert not os.path.exists(tmp_path / "a") and not os.path.exists(tmp_path / "c")  # nothing written
+
+
+def test_calibration_weights_search_rules_and_leaves_minmax_alone(tmp_path):
+    """--calibration_text applies importance to every rule whose method takes it ("search" as
+    well as "hqq", llmq.quant.takes_importance): a "search" recipe's bytes change with the
+    calibration text, a "minmax" recipe's do not."""
+    import json
+
+    text = tmp_path / "calibration.txt"
+    text.write_text(TEXT)
+    bundles = {}
+    for method in ("search", "minmax"):
+        recipe = tmp_path / f"{method}.json"
+        recipe.write_text(json.dumps({"rules": [{"pattern": r".*_proj", "config": {
+            "bits": 4, "group_size": 32, "symmetric": False, "method": method}}]}))
+        for calibrated in (False, True):
+            extra = dict(calibration_text=str(text), calibration_tokens=256) if calibrated else {}
+            result = _run(tmp_path, f"{method}_{calibrated}", recipe=str(recipe), error_report=False, **extra)
+            bundles[method, calibrated] = load_bundle(result["bundle"])
+
+    def quantized(bundle):
+        return {n: v for n, v in bundle.items() if isinstance(v, GroupQuantizedWeight)}
+
+    plain, weighted = quantized(bundles["search", False]), quantized(bundles["search", True])
+    assert plain and set(plain) == set(weighted)
+    changed = [n for n in plain if not plain[n].scale.equal(weighted[n].scale)]
+    assert changed  # the importance reached the search rules
+    rtn, rtn_cal = quantized(bundles["minmax", False]), quantized(bundles["minmax", True])
+    assert all(rtn[n].qdata.equal(rtn_cal[n].qdata) and rtn[n].scale.equal(rtn_cal[n].scale) for n in rtn)

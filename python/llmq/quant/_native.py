@@ -131,15 +131,56 @@ def _qparams_buffers(g: torch.Tensor, group_size: int, *, with_zero: bool):
     return m, g, torch.empty(groups, dtype=torch.float32), zero
 
 
-def search_qparams(g: torch.Tensor, group_size: int, bits: int, symmetric: bool, *, threads: Optional[int] = None):
+def _importance(importance: Optional[torch.Tensor], k: int) -> Optional[torch.Tensor]:
+    imp = None if importance is None else importance.detach().to(torch.float32).contiguous()
+    if imp is not None and imp.numel() != k:
+        raise ValueError(f"importance has {imp.numel()} values; expected K={k}")
+    return imp
+
+
+def search_qparams(g: torch.Tensor, group_size: int, bits: int, symmetric: bool, *,
+                   importance: Optional[torch.Tensor] = None, threads: Optional[int] = None, isa: str = "auto"):
     """Method "search" on float32 CPU rows g[R, K]: (scale [R, G], zero [R, G] or None when
     symmetric), bit-identical to llmq.quant.search.search_qparams_torch. The caller has
-    checked that g is finite and the configuration valid."""
+    checked that g is finite and the configuration valid. importance: optional positive
+    float32 [K]. isa "scalar" forces the portable path (tests: both give the same bits)."""
     m, g, scale, zero = _qparams_buffers(g, group_size, with_zero=not symmetric)
     r, k = g.shape
+    imp = _importance(importance, k)
     m.search_qparams(g.data_ptr(), r, k, group_size, bits, bool(symmetric), scale.data_ptr(),
-                     0 if zero is None else zero.data_ptr(), _threads if threads is None else threads)
+                     0 if zero is None else zero.data_ptr(), _threads if threads is None else threads,
+                     0 if imp is None else imp.data_ptr(), isa)
     return scale, zero
+
+
+def search_quantize_available() -> bool:
+    """Whether the loaded kernel has method "search" end to end (codes and packing included)."""
+    m = _load()
+    return m is not None and hasattr(m, "search_quantize")
+
+
+def search_quantize_rows(
+    rows: torch.Tensor, bits: int, group_size: int, symmetric: bool, *, importance: Optional[torch.Tensor] = None,
+    threads: Optional[int] = None, isa: str = "auto",
+) -> Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Method "search" end to end, like quantize_rows: rows[R, K] (CPU float) -> (qdata, scale,
+    bias) bit-identical to the torch reference, or None on NaN/Inf or an overflowing range.
+    importance: optional positive float32 [K] (validated by the caller)."""
+    m = _load()
+    if m is None or not hasattr(m, "search_quantize"):
+        raise RuntimeError(f"the quantization kernel has no search_quantize: {_error or 'an older build'}")
+    rows = rows.detach().contiguous()
+    r, k = rows.shape
+    imp = _importance(importance, k)
+    qdata = torch.empty(r, k * bits // 8, dtype=torch.uint8)
+    scale = torch.empty(r, k // group_size, dtype=torch.float32)
+    bias = torch.empty(r, k // group_size, dtype=torch.float32)
+    status = m.search_quantize(
+        rows.data_ptr(), _INPUT_NAMES[rows.dtype], r, k, bits, group_size, bool(symmetric),
+        qdata.data_ptr(), scale.data_ptr(), bias.data_ptr(), _threads if threads is None else threads, isa,
+        0 if imp is None else imp.data_ptr(),
+    )
+    return (qdata, scale, bias) if status == "ok" else None
 
 
 def int4_mma_tiles_available() -> bool:

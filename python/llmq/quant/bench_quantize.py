@@ -7,13 +7,17 @@ so the best is the figure to compare; the median shows the noise.
     LLMQ_QUANT_KERNEL=/tmp/quant/_quant_kernel.so PYTHONPATH=python \\
         .venv/bin/python python/llmq/quant/bench_quantize.py [--repeats 5] [--threads 1,2] [--quick]
 
-A second table compares methods "search" and "hqq" (asymmetric only) with "minmax"
-(throughput and error); a third times the "hqq" kernel alone at an LLM weight scale.
+A second table compares methods "search" and "hqq" (asymmetric, one thread only) with
+"minmax": the whole quantize_weight call, wall-clock MB/s and MB per process-CPU-second (all
+threads; times the number of cores it is the rate a quiet machine would give), and the squared
+error. --search_shape sets its weight (default 1024x1024). A third times the "hqq" kernel
+alone at an LLM weight scale.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -45,6 +49,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", default="1,2", help="comma-separated thread counts (torch and kernel)")
     ap.add_argument("--quick", action="store_true", help="only the 4096x4096 shape")
+    ap.add_argument("--search_shape", default="1024x1024", help="ROWSxCOLS of the search/hqq table's weight")
     args = ap.parse_args()
     threads = [int(t) for t in args.threads.split(",")]
     print(f"kernel: {'available, isa ' + str(_native.best_isa()) if _native.native_kernel_available() else 'NOT available: ' + str(_native.native_kernel_error())}")
@@ -64,34 +69,56 @@ def main() -> None:
                     _native.set_num_threads(t)
                     best, med = _time(fn, args.repeats)
                     print(f"{shape_name:<22}{cfg_name:<18}{path:<8}{t:>8}{nbytes / best / 1e9:>11.2f}{nbytes / med / 1e9:>13.2f}", flush=True)
-    search_table(args.repeats)
+    rows, cols = (int(v) for v in args.search_shape.lower().split("x"))
+    search_table(args.repeats, threads, (rows, cols))
     hqq_kernel_table(args.repeats, threads)
 
 
 SEARCH_CONFIGS = {"int4 g32 sym": (4, True), "int3 g32 sym": (3, True), "int4 g32 asym": (4, False), "int3 g32 asym": (3, False)}
 
 
-def search_table(repeats: int) -> None:
-    """Methods "search" and "hqq" beside "minmax" on a 1024x1024 bf16 N(0,1) weight, one thread,
-    through quantize_weight_torch (whose "search"/"hqq" step runs in the compiled kernel when it is loaded):
-    throughput and the squared error of the dequantized weight."""
+def _time_cpu(fn, repeats: int):
+    """(best wall seconds, best process-CPU seconds, all threads) over `repeats` runs after a warm one."""
+    fn()
+    walls, cpus = [], []
+    for _ in range(repeats):
+        c0, t0 = time.process_time(), time.perf_counter()
+        fn()
+        walls.append(time.perf_counter() - t0)
+        cpus.append(time.process_time() - c0)
+    return min(walls), min(cpus)
+
+
+def search_table(repeats: int, threads, shape) -> None:
+    """Methods "search" and "hqq" beside "minmax" on a bf16 N(0,1) weight of `shape`, g32, the
+    whole quantize_weight call (kernel when loaded): wall-clock MB/s, MB per CPU-second (bytes
+    / process CPU seconds, all threads) and that times 2 (the rate of 2 quiet cores), and the
+    squared error of the dequantized weight. "hqq" (its torch path around the hqq kernel) at
+    one thread only."""
     from llmq.quant import dequantize
 
-    torch.set_num_threads(1)
-    _native.set_num_threads(1)
-    print(f"\nmethod search: {'compiled kernel' if _native.search_available() else 'torch reference'}, "
-          f"method hqq: {'compiled kernel' if _native.hqq_available() else 'torch reference'}")
-    w = torch.randn(1024, 1024, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    print(f"\nmethod search: {'compiled kernel (codes and packing included)' if _native.search_quantize_available() else 'torch reference'}, "
+          f"method hqq: {'compiled kernel' if _native.hqq_available() else 'torch reference'}; "
+          f"load average {' '.join(f'{v:.2f}' for v in os.getloadavg())} on {os.cpu_count()} CPUs")
+    w = torch.randn(*shape, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     nbytes = w.numel() * w.element_size()
-    print(f"{'1024x1024, 1 thread':<22}{'config':<18}{'method':<8}{'best MB/s':>11}{'sq. error':>12}{'vs minmax':>11}")
+    label = f"{shape[0]}x{shape[1]}"
+    print(f"{label:<12}{'config':<16}{'threads':>8}  {'method':<8}{'wall MB/s':>10}{'CPU MB/s':>10}{'x2 cores':>10}"
+          f"{'sq. error':>12}{'vs minmax':>11}")
     for cfg_name, (bits, sym) in SEARCH_CONFIGS.items():
-        base = None
-        for method in ("minmax", "search") + (() if sym else ("hqq",)):
-            cfg = QuantConfig(bits=bits, group_size=32, symmetric=sym, method=method)
-            best, _ = _time(lambda: quantize_weight_torch(w, cfg), max(1, min(repeats, 2)))
-            err = float((dequantize(quantize_weight_torch(w, cfg), torch.float32).double() - w.double()).square().sum())
-            base = err if base is None else base
-            print(f"{'':<22}{cfg_name:<18}{method:<8}{nbytes / best / 1e6:>11.1f}{err:>12.1f}{err / base:>11.3f}", flush=True)
+        errors = {}
+        for t in threads:
+            torch.set_num_threads(t)
+            _native.set_num_threads(t)
+            for method in ("minmax", "search") + (("hqq",) if not sym and t == 1 else ()):
+                cfg = QuantConfig(bits=bits, group_size=32, symmetric=sym, method=method)
+                wall, cpu = _time_cpu(lambda: quantize_weight(w, cfg), max(1, min(repeats, 3)))
+                if method not in errors:
+                    errors[method] = float((dequantize(quantize_weight(w, cfg), torch.float32).double()
+                                            - w.double()).square().sum())
+                err = errors[method]
+                print(f"{'':<12}{cfg_name:<16}{t:>8}  {method:<8}{nbytes / wall / 1e6:>10.1f}{nbytes / cpu / 1e6:>10.1f}"
+                      f"{2 * nbytes / cpu / 1e6:>10.1f}{err:>12.1f}{err / errors['minmax']:>11.3f}", flush=True)
 
 
 def hqq_kernel_table(repeats: int, threads) -> None:

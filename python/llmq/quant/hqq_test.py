@@ -228,7 +228,7 @@ def test_compiled_weighted_hqq_is_bit_identical_to_torch(bits, gs, scale):
 def test_importance_is_validated():
     w = weights("normal", (4, 64), seed=1)
     cfg = QuantConfig(bits=4, group_size=32, symmetric=False, method="hqq")
-    with pytest.raises(ValueError, match="m.w: importance weights apply to format 'int' with method 'hqq' only"):
+    with pytest.raises(ValueError, match="m.w: importance weights apply to format 'int' with method 'hqq' or 'search' only"):
         quantize_weight(w, QuantConfig(bits=4, group_size=32, symmetric=False), name="m.w", importance=torch.ones(64))
     with pytest.raises(ValueError, match=r"m.w: importance must be a 1-D tensor of K=64 values .* got \[32\]"):
         quantize_weight(w, cfg, name="m.w", importance=torch.ones(32))

@@ -108,6 +108,10 @@ def _qparams_asymmetric(xmin: torch.Tensor, xmax: torch.Tensor, bits: int, name:
     return scale, zero
 
 
+def _group_importance(importance: Optional[torch.Tensor], k: int, gs: int) -> Optional[torch.Tensor]:
+    return None if importance is None else importance.reshape(k // gs, gs)
+
+
 def _quantize_rows(x: torch.Tensor, config: QuantConfig, gs: int, name: str, importance: Optional[torch.Tensor] = None):
     """Quantize float32 rows x[R, K] -> (packed qdata [R, K*b/8], scale [R, G], bias [R, G])."""
     bits = config.bits
@@ -120,7 +124,7 @@ def _quantize_rows(x: torch.Tensor, config: QuantConfig, gs: int, name: str, imp
         offset = 1 << (bits - 1)
         scale = _qparams_symmetric(xmin, xmax, bits)
         if config.method == "search":
-            scale, _ = search.search_qparams(g, xmin, xmax, bits, True)
+            scale, _ = search.search_qparams(g, xmin, xmax, bits, True, _group_importance(importance, k, gs))
         q = torch.mul(g, (1.0 / scale).unsqueeze(-1)).round_().clamp_(-offset, offset - 1).add_(offset)
         bias = scale * -float(offset)
     else:
@@ -130,7 +134,7 @@ def _quantize_rows(x: torch.Tensor, config: QuantConfig, gs: int, name: str, imp
             q = torch.mul(g, (1.0 / scale).unsqueeze(-1)).add_(zero.unsqueeze(-1)).round_().clamp_(0, (1 << bits) - 1)
             return pack_bits(q.reshape(rows, k).to(torch.uint8), bits), scale, 0.0 - zero * scale
         if config.method == "search":
-            scale, zero = search.search_qparams(g, xmin, xmax, bits, False)
+            scale, zero = search.search_qparams(g, xmin, xmax, bits, False, _group_importance(importance, k, gs))
         q = torch.mul(g, (1.0 / scale).unsqueeze(-1)).round_().add_(zero.unsqueeze(-1)).clamp_(0, (1 << bits) - 1)
         bias = 0.0 - zero * scale  # exact; +0.0 (not -0.0) when zero == 0
     q = q.reshape(rows, k).to(torch.uint8)
@@ -145,20 +149,24 @@ def quantize_weight(w: torch.Tensor, config: QuantConfig, *, name: str = "<tenso
     NVFP4Weight for the floating-point formats.
 
     importance: optional positive weights [K], one per input channel (e.g. the mean squared
-    activation of each input feature over a calibration text, the imatrix idea); method "hqq"
-    then minimises the importance-weighted error (llmq.quant.hqq). Other methods refuse it."""
+    activation of each input feature over a calibration text, the imatrix idea); methods "hqq"
+    and "search" then minimise the importance-weighted error (llmq.quant.hqq,
+    llmq.quant.search). Other methods refuse it."""
     if not isinstance(config, QuantConfig):
         raise ValueError(f"{name}: expected a QuantConfig, got {type(config).__name__}")
     if importance is not None:
         if not takes_importance(config):
-            raise ValueError(f"{name}: importance weights apply to format 'int' with method 'hqq' only, got {config.describe()!r}")
+            raise ValueError(f"{name}: importance weights apply to format 'int' with method 'hqq' or 'search' only, got {config.describe()!r}")
         return quantize_int_weight(w, config, name=name, importance=importance)
     return get_format(config.format).quantize(w, config, name=name)
 
 
+IMPORTANCE_METHODS = ("hqq", "search")
+
+
 def takes_importance(config: QuantConfig) -> bool:
-    """Whether quantize_weight(..., importance=) applies to `config` (format "int", method "hqq")."""
-    return config.format == INT_FORMAT and config.method == "hqq"
+    """Whether quantize_weight(..., importance=) applies to `config` (format "int", method "hqq" or "search")."""
+    return config.format == INT_FORMAT and config.method in IMPORTANCE_METHODS
 
 
 def _check_importance(importance, k: int, name: str) -> torch.Tensor:
@@ -177,14 +185,17 @@ def quantize_int_weight(w: torch.Tensor, config: QuantConfig, *, name: str = "<t
     GroupQuantizedWeight, through the compiled kernel when it applies (same bytes)."""
     gs = _check_weight(w, config, name)
     if importance is not None:
-        return _assemble(w, config, gs, _quantize_torch(w, config, gs, name, _check_importance(importance, w.shape[-1], name)))
+        importance = _check_importance(importance, w.shape[-1], name)
     parts = None
-    if config.method == "minmax" and _native.applicable(w):  # the kernel implements "minmax" only
-        # None means a NaN/Inf or an overflowing range: the reference path below raises
-        # the matching error, naming the tensor and the first bad element.
+    # None from the kernel means a NaN/Inf or an overflowing range: the reference path below
+    # raises the matching error, naming the tensor and the first bad element.
+    if config.method == "minmax" and importance is None and _native.applicable(w):
         parts = _native.quantize_rows(w.detach().reshape(-1, w.shape[-1]), config.bits, gs, config.symmetric)
+    elif config.method == "search" and _native.applicable(w) and _native.search_quantize_available():
+        parts = _native.search_quantize_rows(w.detach().reshape(-1, w.shape[-1]), config.bits, gs,
+                                             config.symmetric, importance=importance)
     if parts is None:
-        parts = _quantize_torch(w, config, gs, name)
+        parts = _quantize_torch(w, config, gs, name, importance)
     return _assemble(w, config, gs, parts)
 
 

@@ -13,9 +13,12 @@ exactly as method "minmax" builds its scale (llmq.quant.quantize, docs/formats.m
   (2^b - 1 - round(max_pos / s)) and centred (round((2^b - 1)/2 - (min_neg + max_pos)/2 / s)).
 
 Codes are then chosen exactly as by "minmax" for that (scale, zero). The error of a candidate
-is sum((fl32(scale * (q - zero)) - w)^2) in float64, i.e. against what `dequantize` returns.
-Errors are summed in element order (the C++ kernel, cpp/quant/search_quant.h, does the
-same and returns identical bits). The first candidate with the smallest error wins; f = 1.0 with the minimum-anchored zero comes
+is sum((fl32(scale * (q - zero)) - w)^2) in float64, i.e. against what `dequantize` returns;
+with importance weights a (one per input channel) each term is multiplied by a_j (float64
+product (d^2) * a_j). Errors are summed in element order. The C++ kernel
+(cpp/quant/search_quant.h) chooses the same candidate bit for bit: exactly these sums on its
+portable path; on its vector path float32 estimates with a rigorous error bound, and these
+exact sums only for the candidates the bound cannot rule out. The first candidate with the smallest error wins; f = 1.0 with the minimum-anchored zero comes
 first and *is* the "minmax" result, so "search" is never worse than "minmax" on any group and
 equals it on ties.
 """
@@ -42,13 +45,17 @@ def codes(g: torch.Tensor, scale: torch.Tensor, zero: Optional[torch.Tensor], bi
     return torch.mul(g, inv).round_().add_(zero.unsqueeze(-1)).clamp_(0, (1 << bits) - 1)
 
 
-def group_error(g: torch.Tensor, scale: torch.Tensor, zero: Optional[torch.Tensor], bits: int) -> torch.Tensor:
-    """float64 [R, G]: sum over each group of (dequantized - w)^2, dequantized exactly as
-    llmq's dequantize does (scale*(q - zero) in float64, rounded once to float32)."""
+def group_error(g: torch.Tensor, scale: torch.Tensor, zero: Optional[torch.Tensor], bits: int,
+                importance: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """float64 [R, G]: sum over each group of (dequantized - w)^2 (times importance[G, gs],
+    float32 per input channel, when given), dequantized exactly as llmq's dequantize does
+    (scale*(q - zero) in float64, rounded once to float32)."""
     q = codes(g, scale, zero, bits).to(torch.float64)
     z = float(1 << (bits - 1)) if zero is None else zero.to(torch.float64).unsqueeze(-1)
     recon = (q - z).mul_(scale.to(torch.float64).unsqueeze(-1)).to(torch.float32).to(torch.float64)
     sq = recon.sub_(g.to(torch.float64)).square_()
+    if importance is not None:
+        sq.mul_(importance.to(torch.float64))
     err = sq[..., 0].clone()
     for j in range(1, sq.shape[-1]):  # in element order, as the C++ kernel sums
         err += sq[..., j]
@@ -79,25 +86,27 @@ def candidates(xmin: torch.Tensor, xmax: torch.Tensor, bits: int, symmetric: boo
 
 
 def search_qparams(g: torch.Tensor, xmin: torch.Tensor, xmax: torch.Tensor, bits: int,
-                   symmetric: bool) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                   symmetric: bool, importance: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(scale, zero) per group of finite float32 g[R, G, gs]; zero is None for symmetric.
+    importance: optional positive float32 [G, gs] (the per-input-channel weights of one row).
     Through the compiled kernel (cpp/quant/search_quant.h, same bits) when it is loaded."""
     from llmq.quant import _native
 
     if g.device.type == "cpu" and _native.search_available():
         rows, groups, gs = g.shape
-        scale, zero = _native.search_qparams(g.reshape(rows, groups * gs), gs, bits, symmetric)
+        imp = None if importance is None else importance.reshape(groups * gs)
+        scale, zero = _native.search_qparams(g.reshape(rows, groups * gs), gs, bits, symmetric, importance=imp)
         return scale, zero
-    return search_qparams_torch(g, xmin, xmax, bits, symmetric)
+    return search_qparams_torch(g, xmin, xmax, bits, symmetric, importance)
 
 
 def search_qparams_torch(g: torch.Tensor, xmin: torch.Tensor, xmax: torch.Tensor, bits: int,
-                         symmetric: bool) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                         symmetric: bool, importance: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The torch reference of search_qparams: the smallest group_error among `candidates`
-    (the first one on ties)."""
+    (the first one on ties); importance [G, gs] weights each term."""
     best_err = best_scale = best_zero = None
     for s, z in candidates(xmin, xmax, bits, symmetric):
-        err = group_error(g, s, z, bits)
+        err = group_error(g, s, z, bits, importance)
         if best_err is None:
             best_err, best_scale, best_zero = err, s.clone(), None if z is None else z.clone()
             continue

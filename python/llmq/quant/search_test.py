@@ -161,8 +161,7 @@ def test_recipe_file_selects_search_per_rule(tmp_path):
 
 @pytest.mark.parametrize("kind", ["normal", "heavy"])
 @pytest.mark.parametrize("bits,symmetric,gs", [(2, False, 16), (3, True, 32), (4, True, 32), (4, False, 32), (5, False, 64), (8, True, 128), (8, False, 32)])
-@pytest.mark.parametrize("threads", [1, 2])
-def test_compiled_search_is_bit_identical_to_torch(kind, bits, symmetric, gs, threads):
+def test_compiled_search_is_bit_identical_to_torch(kind, bits, symmetric, gs):
     from llmq.quant import _native, search
 
     if not _native.search_available():  # a data dependency under Bazel: its absence is a failure, as in native_test
@@ -171,6 +170,196 @@ def test_compiled_search_is_bit_identical_to_torch(kind, bits, symmetric, gs, th
     w = weights(kind, (24, 128), seed=bits + gs).to(torch.bfloat16).float() * 0.03
     g = w.reshape(24, -1, gs)
     ts, tz = search.search_qparams_torch(g, g.amin(-1), g.amax(-1), bits, symmetric)
-    ns, nz = _native.search_qparams(w, gs, bits, symmetric, threads=threads)
-    assert torch.equal(ns.view(torch.int32), ts.view(torch.int32))
-    assert (nz is None) == (tz is None) and (nz is None or torch.equal(nz, tz))
+    for isa in ["scalar"] + (["avx2"] if _native.best_isa() in ("avx2", "avx512") else []):
+        for threads in (1, 2):
+            ns, nz = _native.search_qparams(w, gs, bits, symmetric, threads=threads, isa=isa)
+            assert torch.equal(ns.view(torch.int32), ts.view(torch.int32)), (isa, threads)
+            assert (nz is None) == (tz is None) and (nz is None or torch.equal(nz, tz)), (isa, threads)
+
+
+def _require_search_quantize():
+    from llmq.quant import _native
+
+    if not _native.search_quantize_available():  # a data dependency under Bazel: its absence is a failure
+        pytest.fail(f"the quantization kernel with search_quantize is not loaded ({_native.native_kernel_error()}); "
+                    "build //cpp/quant:_quant_kernel.so (bazel test does) or set LLMQ_QUANT_KERNEL to it")
+
+
+def torch_reference(w, cfg, monkeypatch, importance=None):
+    """(qdata, scale, bias) of the torch reference alone: quantize.py's torch path with the
+    kernel's search step switched off (search.search_qparams_torch chooses)."""
+    from llmq.quant import _native, quantize
+
+    with monkeypatch.context() as m:
+        m.setattr(_native, "search_available", lambda: False)
+        gs = cfg.group_size_for(w.shape[-1])
+        imp = None if importance is None else importance.float().contiguous()
+        return quantize._quantize_torch(w, cfg, gs, "w", imp)
+
+
+NATIVE_CASES = [  # bits, symmetric, group size, K: odd and large groups, every width
+    (2, False, 16, 64), (2, True, 7, 56), (3, False, 24, 96), (3, True, 32, 128), (4, True, 32, 256),
+    (4, False, 32, 256), (4, False, 20, 80), (5, True, 40, 80), (5, False, 128, 256), (6, False, 8, 64),
+    (7, True, 16, 96), (8, False, 32, 96), (8, True, 128, 128), (4, True, 256, 256),
+]
+
+
+@pytest.mark.parametrize("bits,symmetric,gs,k", NATIVE_CASES)
+@pytest.mark.parametrize("kind", ["normal", "heavy"])
+def test_native_search_quantize_is_bit_identical_to_torch(bits, symmetric, gs, k, kind, monkeypatch):
+    """The end-to-end kernel (search, codes, packing, bias) on both ISA paths and 1 or 2
+    threads gives the torch reference's bytes; so does quantize_weight."""
+    from llmq.quant import _native
+
+    _require_search_quantize()
+    w = (weights(kind, (12, k), seed=bits * 100 + gs) * 0.02).to(torch.bfloat16)
+    cfg = QuantConfig(bits=bits, group_size=gs, symmetric=symmetric, method="search")
+    ref = torch_reference(w, cfg, monkeypatch)
+    isas = ["scalar"] + (["avx2"] if _native.best_isa() in ("avx2", "avx512") else [])
+    for isa in isas:
+        for threads in (1, 2):
+            got = _native.search_quantize_rows(w, bits, gs, symmetric, threads=threads, isa=isa)
+            assert got is not None
+            for a, b, what in zip(got, ref, ("qdata", "scale", "bias")):
+                assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (isa, threads, what)
+    qw = quantize_weight(w, cfg, name="w")
+    assert torch.equal(qw.qdata, ref[0]) and torch.equal(qw.scale, ref[1]) and torch.equal(qw.bias, ref[2])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_native_search_quantize_other_dtypes_and_bad_values(dtype, monkeypatch):
+    from llmq.quant import _native
+
+    _require_search_quantize()
+    w = (weights("heavy", (6, 64), seed=21) * 0.05).to(dtype)
+    cfg = QuantConfig(bits=4, group_size=32, symmetric=False, method="search")
+    ref = torch_reference(w, cfg, monkeypatch)
+    got = _native.search_quantize_rows(w, 4, 32, False, threads=2)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+    bad = w.clone()
+    bad[3, 5] = float("inf")
+    assert _native.search_quantize_rows(bad, 4, 32, False) is None  # the caller's reference path raises
+    with pytest.raises(ValueError, match=r"w.up: weight has 1 NaN/Inf value\(s\), first at index \[3, 5\]"):
+        quantize_weight(bad, cfg, name="w.up")
+    huge = torch.tensor([[-3e38, 3e38] + [0.0] * 30])
+    assert _native.search_quantize_rows(huge, 4, 32, False) is None
+    with pytest.raises(ValueError, match="overflows float32"):
+        quantize_weight(huge, cfg, name="w")
+
+
+def reference_weighted_error(w, a, s, z, bits, symmetric):
+    """Importance-weighted squared error in float64 of one group (sum a_j (deq_j - w_j)^2)."""
+    scaled = np.round((w * (F32(1) / s)).astype(np.float32))
+    if symmetric:
+        q = np.clip(scaled, -(2 ** (bits - 1)), 2 ** (bits - 1) - 1) + z
+    else:
+        q = np.clip(scaled + z, 0, 2**bits - 1)
+    recon = (np.float64(s) * (q.astype(np.float64) - z)).astype(np.float32).astype(np.float64)
+    return float((((recon - w.astype(np.float64)) ** 2) * a.astype(np.float64)).sum())
+
+
+def log_normal_importance(k, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.exp(torch.randn(k, generator=g) * 1.5).float()
+
+
+@pytest.mark.parametrize("bits,symmetric", [(2, False), (3, True), (4, True), (4, False), (8, False)])
+def test_weighted_search_finds_exhaustive_weighted_minimum(bits, symmetric):
+    gs = 32
+    w = weights("heavy", (16, 64), seed=40 + bits)
+    a = log_normal_importance(64, seed=bits)
+    cfg = QuantConfig(bits=bits, group_size=gs, symmetric=symmetric, method="search")
+    qw = quantize_weight(w, cfg, name="w", importance=a)
+    d = (dequantize(qw, torch.float32).double() - w.double()).square() * a.double()
+    got = d.reshape(-1, gs).sum(-1)
+    groups = w.numpy().astype(np.float32).reshape(-1, gs)
+    imps = np.tile(a.numpy().reshape(-1, gs), (16, 1))
+    for i, grp in enumerate(groups):
+        errs = [reference_weighted_error(grp, imps[i], s, z, bits, symmetric)
+                for s, z in reference_candidates(grp, bits, symmetric)]
+        best = min(errs)
+        assert abs(float(got[i]) - best) <= 1e-12 * best + 1e-300, (i, float(got[i]), best)
+    # the weights matter: somewhere a different candidate than the unweighted choice wins
+    plain = quantize_weight(w, cfg, name="w")
+    assert not torch.equal(plain.scale, qw.scale)
+
+
+@pytest.mark.parametrize("bits,symmetric,gs,k", [(4, False, 32, 128), (3, True, 24, 96), (2, False, 16, 64), (8, True, 64, 128)])
+def test_weighted_native_search_is_bit_identical_to_torch(bits, symmetric, gs, k, monkeypatch):
+    from llmq.quant import _native, search
+
+    _require_search_quantize()
+    w = (weights("heavy", (10, k), seed=k + bits) * 0.03).to(torch.bfloat16)
+    a = log_normal_importance(k, seed=gs)
+    cfg = QuantConfig(bits=bits, group_size=gs, symmetric=symmetric, method="search")
+    ref = torch_reference(w, cfg, monkeypatch, importance=a)
+    isas = ["scalar"] + (["avx2"] if _native.best_isa() in ("avx2", "avx512") else [])
+    for isa in isas:
+        for threads in (1, 2):
+            got = _native.search_quantize_rows(w, bits, gs, symmetric, importance=a, threads=threads, isa=isa)
+            assert all(torch.equal(x, y) for x, y in zip(got, ref)), (isa, threads)
+            g = w.float().reshape(10, -1, gs)
+            ts, tz = search.search_qparams_torch(g, g.amin(-1), g.amax(-1), bits, symmetric, a.reshape(-1, gs))
+            ns, nz = _native.search_qparams(w.float(), gs, bits, symmetric, importance=a, threads=threads, isa=isa)
+            assert torch.equal(ns, ts) and (nz is None or torch.equal(nz, tz))
+    qw = quantize_weight(w, cfg, name="w", importance=a)
+    assert torch.equal(qw.qdata, ref[0]) and torch.equal(qw.scale, ref[1]) and torch.equal(qw.bias, ref[2])
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_all_ones_importance_gives_unweighted_bytes_and_weights_help(symmetric):
+    w = weights("heavy", (32, 128), seed=9).to(torch.bfloat16)
+    cfg = QuantConfig(bits=4, group_size=32, symmetric=symmetric, method="search")
+    plain = quantize_weight(w, cfg, name="w")
+    ones = quantize_weight(w, cfg, name="w", importance=torch.ones(128))
+    assert torch.equal(plain.qdata, ones.qdata) and torch.equal(plain.scale, ones.scale) and torch.equal(plain.bias, ones.bias)
+    a = log_normal_importance(128, seed=3)
+    weighted = quantize_weight(w, cfg, name="w", importance=a)
+
+    def werr(qw):
+        return ((dequantize(qw, torch.float32).double() - w.double()).square() * a.double()).reshape(-1, 32).sum(-1)
+
+    e_w, e_p = werr(weighted), werr(plain)
+    assert bool((e_w <= e_p * (1 + 1e-12)).all()) and float(e_w.sum()) < float(e_p.sum())
+
+
+def test_importance_is_refused_for_minmax_and_checked():
+    w = weights("normal", (4, 64), seed=1)
+    with pytest.raises(ValueError, match="method 'hqq' or 'search' only"):
+        quantize_weight(w, QuantConfig(bits=4, group_size=32), name="w", importance=torch.ones(64))
+    with pytest.raises(ValueError, match="finite and > 0"):
+        quantize_weight(w, QuantConfig(bits=4, group_size=32, method="search"), name="w", importance=torch.zeros(64))
+
+
+def _adversarial(kind, shape, gen):
+    if kind == "tiny":  # subnormal float32: the estimate's underflow slack
+        return torch.randn(shape, generator=gen) * 1e-39
+    if kind == "huge":
+        return torch.randn(shape, generator=gen) * 1e37
+    if kind == "grid":  # groups exactly on a grid: many candidates tie at error 0
+        return torch.randint(-8, 8, shape, generator=gen).float() * 0.125
+    w = torch.zeros(shape)  # sparse: mostly zeros, a few Student-t values
+    n = torch.randn(shape, generator=gen) / torch.randn(shape + (2,), generator=gen).square().mean(-1).sqrt()
+    w[..., ::7] = n[..., ::7]
+    return w
+
+
+@pytest.mark.parametrize("kind", ["tiny", "huge", "grid", "sparse"])
+@pytest.mark.parametrize("bits,symmetric", [(2, False), (3, True), (4, True), (4, False), (8, False)])
+def test_vector_path_matches_exact_path_on_adversarial_groups(kind, bits, symmetric):
+    """The AVX2 path (bounded float32 estimates, skipped scales, exact recheck) chooses what the
+    portable path (every candidate exactly, the reference's arithmetic) chooses, where the
+    bounds are tightest: ties, subnormals, huge values, weights over many magnitudes."""
+    from llmq.quant import _native
+
+    _require_search_quantize()
+    if _native.best_isa() not in ("avx2", "avx512"):
+        pytest.skip("no AVX2 on this CPU: only the portable path exists")
+    gen = torch.Generator().manual_seed(bits * 10 + symmetric)
+    for gs in (13, 32):
+        w = _adversarial(kind, (8, gs * 16), gen).contiguous()
+        for imp in (None, torch.exp(torch.randn(gs * 16, generator=gen) * 3)):
+            a = _native.search_qparams(w, gs, bits, symmetric, importance=imp, isa="scalar", threads=1)
+            b = _native.search_qparams(w, gs, bits, symmetric, importance=imp, isa="avx2", threads=2)
+            assert torch.equal(a[0].view(torch.int32), b[0].view(torch.int32)), (gs, imp is None)
+            assert a[1] is None or torch.equal(a[1], b[1]), (gs, imp is None)
