@@ -194,7 +194,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--write_reference_gguf", help="Write the off-grid reference as an F32 GGUF here and exit.")
     parser.add_argument("--llama_cpp", action="append", default=[], help="NAME=FILE.gguf from llama-quantize.")
-    parser.add_argument("--variants", default="rtn,search,hqq,imatrix,imatrix-g64,budget,int8",
+    parser.add_argument("--variants", default="rtn,search,hqq,search-imatrix,imatrix,imatrix-g64,budget,budget-rel,int8",
                         help="Comma-separated llmq variants to run.")
     parser.add_argument("--budget_bits_per_weight", default="4.5",
                         help="Comma-separated budgets; variant 'budget' runs one per value (budget@<bpw>).")
@@ -257,7 +257,7 @@ def main(argv=None) -> int:
     variants: Dict[str, Dict[str, torch.Tensor]] = {}
     bpw: Dict[str, float] = {}
     importance = None
-    if {"imatrix", "imatrix-g64", "budget"} & set(wanted):
+    if {"imatrix", "imatrix-g64", "budget", "budget-rel", "search-imatrix"} & set(wanted):
         from llmq.quant.importance import collect_importance, token_batches
 
         calib = token_ids(args.calibration_text, args.calibration_tokens)
@@ -272,17 +272,27 @@ def main(argv=None) -> int:
         t0 = time.time()
         if name in simple:
             variants[name], bpw[name] = llmq_variant(reference, names, lambda n, c=simple[name]: c)
+        elif name == "search-imatrix":  # the error search minimising the importance-weighted error
+            qconfig = QuantConfig(bits=4, group_size=32, symmetric=True, method="search")
+            variants[name], bpw[name] = llmq_variant(reference, names, lambda n, c=qconfig: c,
+                                                     importance={n: importance[n[: -len(".weight")]] for n in names})
         elif name in ("imatrix", "imatrix-g64"):  # HQQ minimising the importance-weighted error
             qconfig = simple["hqq"] if name == "imatrix" else QuantConfig(bits=4, group_size=64, symmetric=False,
                                                                            method="hqq")
             variants[name], bpw[name] = llmq_variant(reference, names, lambda n, c=qconfig: c,
                                                      importance={n: importance[n[: -len(".weight")]] for n in names})
-        elif name == "budget":
+        elif name in ("budget", "budget-rel"):
             from llmq.quant.budget import choose, measure_options
 
             candidates = [QuantConfig(bits=b, group_size=g, symmetric=False, method="hqq")
                           for b, g in ((3, 32), (4, 128), (4, 64), (4, 32), (5, 32), (6, 32), (8, 32))]
-            options = {n: measure_options(n, reference[n], candidates, importance=importance[n[: -len(".weight")]])
+            if name == "budget-rel":  # relative (per-layer output SNR) objective, symmetric search options too
+                candidates = [QuantConfig(bits=b, group_size=32, symmetric=True, method="search")
+                              for b in (3, 4, 5, 6, 8)] + [
+                    QuantConfig(bits=b, group_size=g, symmetric=False, method="hqq")
+                    for b, g in ((3, 32), (4, 128), (4, 64), (4, 32), (5, 32))]
+            options = {n: measure_options(n, reference[n], candidates, importance=importance[n[: -len(".weight")]],
+                                          relative=name == "budget-rel")
                        for n in names}
             for budget in (float(b) for b in args.budget_bits_per_weight.split(",")):
                 choice = choose(options, {n: reference[n].numel() for n in names}, budget)
@@ -290,8 +300,8 @@ def main(argv=None) -> int:
                 counts: Dict[str, int] = {}
                 for c in chosen.values():
                     counts[c.describe()] = counts.get(c.describe(), 0) + 1
-                print(f"budget {budget}: {counts}", flush=True)
-                key = f"budget@{budget:g}"
+                print(f"{name} {budget}: {counts}", flush=True)
+                key = f"{name}@{budget:g}"
                 variants[key], bpw[key] = llmq_variant(reference, names, lambda n: chosen[n],
                                                        importance={n: importance[n[: -len(".weight")]] for n in names})
             continue

@@ -63,8 +63,12 @@ def weight_error(w: torch.Tensor, approx: torch.Tensor, importance: Optional[tor
 
 
 def measure_options(name: str, w: torch.Tensor, configs: Sequence[QuantConfig] = DEFAULT_OPTIONS,
-                    importance: Optional[torch.Tensor] = None) -> List[Option]:
-    """Every config that can hold `w` (its group size divides K), with its bits and error."""
+                    importance: Optional[torch.Tensor] = None, relative: bool = False) -> List[Option]:
+    """Every config that can hold `w` (its group size divides K), with its bits and error.
+
+    relative: the error divided by the (equally weighted) energy of `w`, sum(a_j w_ij^2): with
+    importances, about the layer's relative output error ||dW x||^2 / ||W x||^2, which does not
+    change when a row of `w` and the next layer's matching column trade a factor."""
     if importance is not None and importance.shape != (w.shape[-1],):
         raise ValueError(f"{name}: importance has shape {list(importance.shape)}, expected [{w.shape[-1]}] "
                          "(one value per input column)")
@@ -78,6 +82,11 @@ def measure_options(name: str, w: torch.Tensor, configs: Sequence[QuantConfig] =
         options.append(Option(config, stored_bits(q, config), weight_error(w, dequantize(q, torch.float32), importance)))
     if not options:
         raise ValueError(f"{name}: none of the candidate configs fits its shape {list(w.shape)}")
+    if relative:
+        energy = weight_error(w, torch.zeros_like(w, dtype=torch.float32), importance)
+        if not energy > 0:
+            raise ValueError(f"{name}: relative error of an all-zero weight is undefined")
+        options = [dataclasses.replace(o, error=o.error / energy) for o in options]
     return options
 
 

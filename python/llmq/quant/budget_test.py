@@ -34,6 +34,22 @@ def test_options_measure_bits_and_error_independently():
         assert opt.error == pytest.approx(manual, rel=1e-9)
 
 
+def test_relative_errors_are_the_weighted_error_over_the_weighted_energy_and_ignore_a_weights_scale():
+    w = _weights()["b.up_proj"]
+    imp = torch.rand(128, generator=torch.Generator().manual_seed(2)) + 0.5
+    energy = float(((w.double() ** 2) * imp.double()).sum())
+    absolute = measure_options("b.up_proj", w, importance=imp)
+    relative = measure_options("b.up_proj", w, importance=imp, relative=True)
+    assert [o.bits for o in relative] == [o.bits for o in absolute]
+    for a, r in zip(absolute, relative):
+        assert r.error == pytest.approx(a.error / energy, rel=1e-12)
+    # A power-of-two factor moves every code and scale exactly: the relative errors do not change.
+    scaled = measure_options("b.up_proj", w * 8, importance=imp, relative=True)
+    assert [o.error for o in scaled] == pytest.approx([o.error for o in relative], rel=1e-9)
+    with pytest.raises(ValueError, match="all-zero"):
+        measure_options("zero", torch.zeros(4, 64), relative=True)
+
+
 def test_a_config_whose_group_does_not_divide_k_is_not_an_option():
     opts = measure_options("x", torch.randn(8, 96), [QuantConfig(bits=4, group_size=64), QuantConfig(bits=4, group_size=32)])
     assert [o.config.group_size for o in opts] == [32]
