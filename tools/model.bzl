@@ -1,13 +1,14 @@
-"""llmq_model: every Bazel target of one model package (models/<name>/), from one call.
+"""llmq_model: every Bazel target of one model package (models/<name>/), from one call;
+llmq_tool: a runnable module and the library its tests import (used here and by model BUILD files).
 
 A model package holds its module code (config.py, model.py, keymap.py, ...), gguf_checkpoint.py,
-pipeline.py (the spec: `ARCHITECTURE`), quantize_and_save.py, recipes/*.json, and the standard tests
+spec.py (the spec: `ARCHITECTURE`), quantize_and_save.py, recipes/*.json, and the standard tests
 model_test.py (parity with transformers) and keymap_test.py. The macro declares:
 
   :model              py_library   the module code (every *.py but the files below and tests)
   :gguf_checkpoint    py_library   gguf_checkpoint.py (--checkpoint=model.gguf; gguf_import = False: none)
   :mlx_export         py_library   mlx_export.py            (mlx_export = True)
-  :pipeline           py_library   pipeline.py + recipes/*.json
+  :spec               py_library   spec.py + recipes/*.json
   :quantize_and_save  py_binary    the main job
   :export, :export_lib, :export_pte                           (export = True: export.py, export_pte.py)
   :param_count, :param_count_lib, :param_count_test           (param_count = True: param_count.py)
@@ -16,8 +17,20 @@ model_test.py (parity with transformers) and keymap_test.py. The macro declares:
 
 load("//tools:pytest.bzl", "llmq_py_test")
 
+def llmq_tool(name, deps, srcs = None, binary_deps = []):
+    """A runnable module <name>.py and the library its tests import, in the calling package:
+    :<name>_lib (py_library of `srcs`, default [<name>.py], over `deps`) and :<name> (py_binary
+    of <name>.py over :<name>_lib and `binary_deps`, what only the command line imports)."""
+    native.py_library(name = name + "_lib", srcs = srcs or [name + ".py"], deps = deps)
+    native.py_binary(
+        name = name,
+        srcs = [name + ".py"],
+        python_version = "PY3",
+        deps = [":" + name + "_lib"] + binary_deps,
+    )
+
 _SPEC_FILES = ["export.py", "export_pte.py", "gguf_checkpoint.py", "mlx_export.py", "param_count.py",
-               "pipeline.py", "quantize_and_save.py"]
+               "quantize_and_save.py", "spec.py"]
 
 def llmq_model(
         model_deps = [],
@@ -40,9 +53,9 @@ def llmq_model(
       export: the package has export.py (torch.export .pt2) and export_pte.py (ExecuTorch).
       export_deps: extra deps of the :export binary (imported only with some flag).
       param_count: the package has param_count.py and param_count_test.py.
-      others: :pipeline targets of other architectures, so that their checkpoints given to this
+      others: :spec targets of other architectures, so that their checkpoints given to this
         quantize_and_save are told which target to use.
-      tests: further test files (names without .py) depending on :pipeline.
+      tests: further test files (names without .py) depending on :spec.
       exclude: further *.py files that are not module code (binaries declared in the BUILD file).
     """
     native.py_library(
@@ -51,45 +64,35 @@ def llmq_model(
         data = native.glob(["configs/*.json"]),
         deps = ["//models:init", "//models/common"] + model_deps,
     )
-    pipeline_deps = [":model", "//models/pipeline"]
+    spec_deps = [":model", "//models/pipeline"]
     if gguf_import:
         native.py_library(
             name = "gguf_checkpoint",
             srcs = ["gguf_checkpoint.py"],
             deps = [":model", "//models/pipeline", "//python/llmq/quant"] + gguf_deps,
         )
-        pipeline_deps.append(":gguf_checkpoint")
+        spec_deps.append(":gguf_checkpoint")
     if mlx_export:
         native.py_library(
             name = "mlx_export",
             srcs = ["mlx_export.py"],
             deps = [":model", "//python/llmq/quant"],
         )
-        pipeline_deps.append(":mlx_export")
+        spec_deps.append(":mlx_export")
     native.py_library(
-        name = "pipeline",
-        srcs = ["pipeline.py"],
+        name = "spec",
+        srcs = ["spec.py"],
         data = native.glob(["recipes/*.json"]),
-        deps = pipeline_deps,
+        deps = spec_deps,
     )
     native.py_binary(
         name = "quantize_and_save",
         srcs = ["quantize_and_save.py"],
         python_version = "PY3",
-        deps = [":pipeline"] + others,
+        deps = [":spec"] + others,
     )
     if export:
-        native.py_library(
-            name = "export_lib",
-            srcs = ["export.py"],
-            deps = [":model", ":pipeline", "//models/pipeline"],
-        )
-        native.py_binary(
-            name = "export",
-            srcs = ["export.py"],
-            python_version = "PY3",
-            deps = [":export_lib"] + export_deps,
-        )
+        llmq_tool(name = "export", deps = [":model", ":spec", "//models/pipeline"], binary_deps = export_deps)
         native.py_binary(
             name = "export_pte",
             srcs = ["export_pte.py"],
@@ -97,17 +100,7 @@ def llmq_model(
             deps = [":export_lib", "//models/pipeline"],
         )
     if param_count:
-        native.py_library(
-            name = "param_count_lib",
-            srcs = ["param_count.py"],
-            deps = [":model"],
-        )
-        native.py_binary(
-            name = "param_count",
-            srcs = ["param_count.py"],
-            python_version = "PY3",
-            deps = [":model"],
-        )
+        llmq_tool(name = "param_count", deps = [":model"])
         llmq_py_test(
             name = "param_count_test",
             srcs = ["param_count_test.py"],
@@ -119,5 +112,5 @@ def llmq_model(
             name = test,
             srcs = [test + ".py"],
             size = "medium",
-            deps = [":pipeline"],
+            deps = [":spec"],
         )

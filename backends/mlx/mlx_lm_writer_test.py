@@ -14,7 +14,7 @@ mlx_lm = pytest.importorskip("mlx_lm", reason="mlx-lm is not installed here")
 
 from llmq.quant.formats import dequantize_canonical  # noqa: E402
 from llmq_mlx import pack_mlx_affine, write_mlx_lm_folder  # noqa: E402
-from llmq_mlx.writer import quantization_section  # noqa: E402
+from llmq_mlx.mlx_lm_writer import quantization_section  # noqa: E402
 from mlx_testutil import FP32_UNIT_ROUNDOFF, random_canonical  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

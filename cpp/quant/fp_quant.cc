@@ -133,7 +133,7 @@ FPQ_INLINE void pack_fp4(const uint8_t* codes, int64_t n, uint8_t* out) {
 enum class Op { kAmax, kFp8Rows, kFp8Bands, kMx, kNvfp4 };
 
 struct Job {
-  const FpArgs* a = nullptr;
+  const MatrixArgs* a = nullptr;
   Op op = Op::kAmax;
   int64_t rows_per_group = 1;            // rows per tensor scale / global scale (kAmax, kFp8Rows, kNvfp4)
   std::atomic<uint32_t>* amax = nullptr;  // kAmax: one per group
@@ -144,6 +144,9 @@ struct Job {
   uint8_t* block_out = nullptr;  // MX e8m0 / NVFP4 e4m3 block scales
   bool fp4 = false;
   std::atomic<int>* bad = nullptr;
+
+  Job(const MatrixArgs* args, Op o, float* scales = nullptr, uint8_t* codes = nullptr, uint8_t* blocks = nullptr)
+      : a(args), op(o), scale(scales), out(codes), block_out(blocks) {}
 };
 
 inline void atomic_max(std::atomic<uint32_t>* a, uint32_t v) {
@@ -152,9 +155,17 @@ inline void atomic_max(std::atomic<uint32_t>* a, uint32_t v) {
   }
 }
 
+// amax_bits of x[0, n) into *m; false, with the job's NaN/Inf flag set, where that is not finite.
+FPQ_INLINE bool finite_amax(const Job& j, const float* x, int64_t n, uint32_t* m) {
+  *m = amax_bits(x, n);
+  if (*m < kInfBits) return true;
+  j.bad->store(1);
+  return false;
+}
+
 template <InputType T>
 FPQ_INLINE void run_impl(const Job& j, int64_t u0, int64_t u1) {
-  const FpArgs& a = *j.a;
+  const MatrixArgs& a = *j.a;
   const int64_t k = a.k;
   std::vector<float> buf(T == InputType::kFloat32 ? 0 : k);
   std::vector<uint8_t> codes(j.op == Op::kMx || j.op == Op::kNvfp4 ? k : 0);
@@ -178,11 +189,8 @@ FPQ_INLINE void run_impl(const Job& j, int64_t u0, int64_t u1) {
     case Op::kFp8Rows: {  // per tensor (given scale per group) or per channel
       for (int64_t r = u0; r < u1; ++r) {
         const float* x = load_row<T>(a.w, r * k, k, fb);
-        const uint32_t m = amax_bits(x, k);
-        if (m >= kInfBits) {
-          j.bad->store(1);
-          return;
-        }
+        uint32_t m;
+        if (!finite_amax(j, x, k, &m)) return;
         float s;
         if (j.gran == Fp8Granularity::kChannel) {
           if (j.compute) j.scale[r] = positive(float_of(m) / kE4M3Max);  // amax / 448
@@ -226,11 +234,8 @@ FPQ_INLINE void run_impl(const Job& j, int64_t u0, int64_t u1) {
         uint8_t* e8 = j.block_out + r * blocks;
         for (int64_t bi = 0; bi < blocks; ++bi) {
           const float* xb = x + bi * 32;
-          const uint32_t m = amax_bits(xb, 32);
-          if (m >= kInfBits) {
-            j.bad->store(1);
-            return;
-          }
+          uint32_t m;
+          if (!finite_amax(j, xb, 32, &m)) return;
           const int e = mx_exponent(float_of(m), emax);
           e8[bi] = static_cast<uint8_t>(e + kE8M0Bias);
           // x / 2^e == x * 2^-e: both are the rounded exact product, and 2^-e is a float32
@@ -256,11 +261,8 @@ FPQ_INLINE void run_impl(const Job& j, int64_t u0, int64_t u1) {
         uint8_t* bs = j.block_out + r * blocks;
         for (int64_t bi = 0; bi < blocks; ++bi) {
           const float* xb = x + bi * 16;
-          const uint32_t m = amax_bits(xb, 16);
-          if (m >= kInfBits) {
-            j.bad->store(1);
-            return;
-          }
+          uint32_t m;
+          if (!finite_amax(j, xb, 16, &m)) return;
           float s = float_of(m) / six_g;
           s = s == 0.0f ? 1.0f : s;
           s = s < 0.001953125f ? 0.001953125f : s;  // clamp(2^-9, 448)
@@ -309,14 +311,7 @@ Worker worker_for_type(Isa isa) {
 }
 
 Worker worker_for(InputType t, Isa isa) {
-  switch (t) {
-    case InputType::kBFloat16:
-      return worker_for_type<InputType::kBFloat16>(isa);
-    case InputType::kFloat16:
-      return worker_for_type<InputType::kFloat16>(isa);
-    default:
-      return worker_for_type<InputType::kFloat32>(isa);
-  }
+  return dispatch_input(t, [isa](auto type) { return worker_for_type<decltype(type)::value>(isa); });
 }
 
 // Runs the job over units [0, units) (rows or bands of elements_per_unit), split into
@@ -346,20 +341,26 @@ void parallel_run(const Job& j, int64_t units, int64_t elements_per_unit) {
   for (auto& th : pool) th.join();
 }
 
-void require(const FpArgs& a, int64_t block) {
+// parallel_run with a fresh NaN/Inf flag: kNotFinite if any worker saw one.
+Status run_checked(Job j, int64_t units, int64_t elements_per_unit) {
+  std::atomic<int> bad{0};
+  j.bad = &bad;
+  parallel_run(j, units, elements_per_unit);
+  return bad.load() ? Status::kNotFinite : Status::kOk;
+}
+
+void require(const MatrixArgs& a, int64_t block) {
   const std::string err = check_fp_args(a, block);
   if (!err.empty()) throw std::invalid_argument(err);
 }
 
 // Per-group amax of |w| (group = rows_per_group consecutive rows) as float32 values; false
 // if a NaN or Inf is present.
-bool group_amax(const FpArgs& a, int64_t rows_per_group, std::vector<float>* out) {
+bool group_amax(const MatrixArgs& a, int64_t rows_per_group, std::vector<float>* out) {
   const int64_t groups = a.rows / rows_per_group;
   std::vector<std::atomic<uint32_t>> amax(groups);
   for (auto& m : amax) m.store(0);
-  Job j;
-  j.a = &a;
-  j.op = Op::kAmax;
+  Job j(&a, Op::kAmax);
   j.rows_per_group = rows_per_group;
   j.amax = amax.data();
   parallel_run(j, a.rows, a.k);
@@ -372,21 +373,25 @@ bool group_amax(const FpArgs& a, int64_t rows_per_group, std::vector<float>* out
   return true;
 }
 
+// scale[g] = amax of group g / divisor (1 where that is not positive); false on a NaN or Inf.
+bool group_scales(const MatrixArgs& a, int64_t rows_per_group, float divisor, float* scale) {
+  std::vector<float> amax;
+  if (!group_amax(a, rows_per_group, &amax)) return false;
+  for (size_t g = 0; g < amax.size(); ++g) scale[g] = positive(amax[g] / divisor);
+  return true;
+}
+
 }  // namespace
 
-std::string check_fp_args(const FpArgs& a, int64_t block) {
+std::string check_fp_args(const MatrixArgs& a, int64_t block) {
   if (block != 1 && block != 16 && block != 32 && block != 128) return "block must be 1, 16, 32 or 128";
   if (a.rows < 0 || a.k <= 0) return "expected rows >= 0 and k > 0";
   if (a.k % block) return "K=" + std::to_string(a.k) + " is not a multiple of " + std::to_string(block);
   if (a.rows > 0 && !a.w) return "null pointer argument";
-  if (a.threads < 0) return "threads must be >= 0";
-  const Isa best = detect_isa();
-  if (a.isa != Isa::kAuto && static_cast<int>(a.isa) > static_cast<int>(best))
-    return std::string("isa ") + isa_name(a.isa) + " is not supported by this CPU (best: " + isa_name(best) + ")";
-  return "";
+  return check_threads_isa(a);
 }
 
-Status quantize_fp8(const FpArgs& a, Fp8Granularity granularity, int64_t rows_per_scale, bool compute_scale,
+Status quantize_fp8(const MatrixArgs& a, Fp8Granularity granularity, int64_t rows_per_scale, bool compute_scale,
                     float* scale, uint8_t* out) {
   require(a, granularity == Fp8Granularity::kBlock128 ? 128 : 1);
   if (granularity == Fp8Granularity::kBlock128 && a.rows % 128)
@@ -395,72 +400,39 @@ Status quantize_fp8(const FpArgs& a, Fp8Granularity granularity, int64_t rows_pe
     throw std::invalid_argument("rows_per_scale must divide rows");
   if (a.rows > 0 && (!scale || !out)) throw std::invalid_argument("null pointer argument");
   if (a.rows == 0) return Status::kOk;
-  std::atomic<int> bad{0};
-  Job j;
-  j.a = &a;
+  Job j(&a, granularity == Fp8Granularity::kBlock128 ? Op::kFp8Bands : Op::kFp8Rows, scale, out);
   j.gran = granularity;
   j.compute = compute_scale;
-  j.scale = scale;
-  j.out = out;
-  j.bad = &bad;
-  if (granularity == Fp8Granularity::kBlock128) {
-    j.op = Op::kFp8Bands;
-    parallel_run(j, a.rows / 128, 128 * a.k);
-  } else {
-    if (granularity == Fp8Granularity::kTensor && compute_scale) {
-      std::vector<float> amax;
-      if (!group_amax(a, rows_per_scale, &amax)) return Status::kNotFinite;
-      for (size_t g = 0; g < amax.size(); ++g) scale[g] = positive(amax[g] / kE4M3Max);
-    }
-    j.op = Op::kFp8Rows;
-    j.rows_per_group = granularity == Fp8Granularity::kTensor ? rows_per_scale : 1;
-    parallel_run(j, a.rows, a.k);
-  }
-  return bad.load() ? Status::kNotFinite : Status::kOk;
+  if (granularity == Fp8Granularity::kBlock128) return run_checked(j, a.rows / 128, 128 * a.k);
+  if (granularity == Fp8Granularity::kTensor && compute_scale && !group_scales(a, rows_per_scale, kE4M3Max, scale))
+    return Status::kNotFinite;
+  j.rows_per_group = granularity == Fp8Granularity::kTensor ? rows_per_scale : 1;
+  return run_checked(j, a.rows, a.k);
 }
 
-Status quantize_mx(const FpArgs& a, bool fp4, uint8_t* codes, uint8_t* scale_e8m0) {
+Status quantize_mx(const MatrixArgs& a, bool fp4, uint8_t* codes, uint8_t* scale_e8m0) {
   require(a, 32);
   if (a.rows > 0 && (!codes || !scale_e8m0)) throw std::invalid_argument("null pointer argument");
   if (a.rows == 0) return Status::kOk;
-  std::atomic<int> bad{0};
-  Job j;
-  j.a = &a;
-  j.op = Op::kMx;
+  Job j(&a, Op::kMx, nullptr, codes, scale_e8m0);
   j.fp4 = fp4;
-  j.out = codes;
-  j.block_out = scale_e8m0;
-  j.bad = &bad;
-  parallel_run(j, a.rows, a.k);
-  return bad.load() ? Status::kNotFinite : Status::kOk;
+  return run_checked(j, a.rows, a.k);
 }
 
-Status quantize_nvfp4(const FpArgs& a, int64_t rows_per_global, bool compute_global, float* global_scale,
+Status quantize_nvfp4(const MatrixArgs& a, int64_t rows_per_global, bool compute_global, float* global_scale,
                       uint8_t* codes, uint8_t* block_scale) {
   require(a, 16);
   if (rows_per_global <= 0 || a.rows % rows_per_global) throw std::invalid_argument("rows_per_global must divide rows");
   if (a.rows > 0 && (!codes || !block_scale || !global_scale)) throw std::invalid_argument("null pointer argument");
   if (a.rows == 0) return Status::kOk;
-  if (compute_global) {
-    std::vector<float> amax;
-    if (!group_amax(a, rows_per_global, &amax)) return Status::kNotFinite;
-    // nvfp4_global_scale: amax / (6 * 448), 1.0 where that is not positive
-    for (size_t g = 0; g < amax.size(); ++g) global_scale[g] = positive(amax[g] / 2688.0f);
-  }
-  std::atomic<int> bad{0};
-  Job j;
-  j.a = &a;
-  j.op = Op::kNvfp4;
+  // nvfp4_global_scale: amax / (6 * 448), 1.0 where that is not positive
+  if (compute_global && !group_scales(a, rows_per_global, 2688.0f, global_scale)) return Status::kNotFinite;
+  Job j(&a, Op::kNvfp4, global_scale, codes, block_scale);
   j.rows_per_group = rows_per_global;
-  j.scale = global_scale;
-  j.out = codes;
-  j.block_out = block_scale;
-  j.bad = &bad;
-  parallel_run(j, a.rows, a.k);
-  return bad.load() ? Status::kNotFinite : Status::kOk;
+  return run_checked(j, a.rows, a.k);
 }
 
-Status abs_max(const FpArgs& a, int64_t rows_per_group, float* amax) {
+Status abs_max(const MatrixArgs& a, int64_t rows_per_group, float* amax) {
   require(a, 1);
   if (rows_per_group <= 0 || a.rows % rows_per_group) throw std::invalid_argument("rows_per_group must divide rows");
   if (a.rows > 0 && !amax) throw std::invalid_argument("null pointer argument");

@@ -27,29 +27,21 @@ namespace llmq_quant {
 
 enum class Fp8Granularity { kTensor = 0, kChannel = 1, kBlock128 = 2 };
 
-struct FpArgs {
-  const void* w = nullptr;  // [rows, k] contiguous, of `input`
-  InputType input = InputType::kFloat32;
-  int64_t rows = 0;
-  int64_t k = 0;
-  int threads = 0;  // 0 = every CPU this process may run on
-  Isa isa = Isa::kAuto;
-};
 
 // Empty if the layout is one the FP kernels handle (for `block`: 1, 16, 32 or 128), else a reason.
-std::string check_fp_args(const FpArgs& a, int64_t block);
+std::string check_fp_args(const MatrixArgs& a, int64_t block);
 
 // Each returns kNotFinite (outputs then undefined) if the input holds a NaN or Inf; the
 // caller's reference path raises the error message. std::invalid_argument on bad arguments.
-Status quantize_fp8(const FpArgs& a, Fp8Granularity granularity, int64_t rows_per_scale, bool compute_scale,
+Status quantize_fp8(const MatrixArgs& a, Fp8Granularity granularity, int64_t rows_per_scale, bool compute_scale,
                     float* scale, uint8_t* out);
-Status quantize_mx(const FpArgs& a, bool fp4, uint8_t* codes, uint8_t* scale_e8m0);
-Status quantize_nvfp4(const FpArgs& a, int64_t rows_per_global, bool compute_global, float* global_scale,
+Status quantize_mx(const MatrixArgs& a, bool fp4, uint8_t* codes, uint8_t* scale_e8m0);
+Status quantize_nvfp4(const MatrixArgs& a, int64_t rows_per_global, bool compute_global, float* global_scale,
                       uint8_t* codes, uint8_t* block_scale);
 
 // max |w| over each group of rows_per_group consecutive rows (one per expert, or one for the
 // whole tensor), as float32 (exact: |x| and max are exact); kNotFinite if a NaN or Inf is present.
-Status abs_max(const FpArgs& a, int64_t rows_per_group, float* amax);
+Status abs_max(const MatrixArgs& a, int64_t rows_per_group, float* amax);
 
 // Element codecs, exposed for tests: float32 -> e4m3fn byte (round to nearest even, sign
 // kept, |x| <= 448 expected: callers clamp first) and float32 -> 4-bit E2M1 code.

@@ -449,14 +449,7 @@ Sweeps sweeps_for(Isa isa) {
 }
 
 Sweeps select_sweeps(InputType t, Isa isa) {
-  switch (t) {
-    case InputType::kBFloat16:
-      return sweeps_for<InputType::kBFloat16>(isa);
-    case InputType::kFloat16:
-      return sweeps_for<InputType::kFloat16>(isa);
-    default:
-      return sweeps_for<InputType::kFloat32>(isa);
-  }
+  return dispatch_input(t, [isa](auto type) { return sweeps_for<decltype(type)::value>(isa); });
 }
 
 // Outputs are usually freshly allocated, so writing them first-touches every page; with
@@ -583,6 +576,14 @@ const char* isa_name(Isa isa) {
   }
 }
 
+std::string check_threads_isa(const MatrixArgs& a) {
+  if (a.threads < 0) return "threads must be >= 0";
+  const Isa best = detect_isa();
+  if (a.isa != Isa::kAuto && static_cast<int>(a.isa) > static_cast<int>(best))
+    return std::string("isa ") + isa_name(a.isa) + " is not supported by this CPU (best: " + isa_name(best) + ")";
+  return "";
+}
+
 std::string check_args(const QuantizeArgs& a) {
   if (a.bits < 2 || a.bits > 8) return "bits=" + std::to_string(a.bits) + " unsupported (expected 2..8)";
   if (a.rows < 0 || a.k <= 0) return "expected rows >= 0 and k > 0";
@@ -591,12 +592,8 @@ std::string check_args(const QuantizeArgs& a) {
   if ((a.k * a.bits) % 8 || (a.bits != 2 && a.bits != 4 && a.bits != 8 && a.k % 8))
     return "K=" + std::to_string(a.k) + " cannot be packed at " + std::to_string(a.bits) + " bits";
   if (a.rows > 0 && (!a.w || !a.qdata || !a.scale || !a.bias)) return "null pointer argument";
-  if (a.threads < 0) return "threads must be >= 0";
   if (a.rows > 0 && !a.symmetric && a.given_scale && !a.given_zero) return "given_scale without given_zero";
-  const Isa best = detect_isa();
-  if (a.isa != Isa::kAuto && static_cast<int>(a.isa) > static_cast<int>(best))
-    return std::string("isa ") + isa_name(a.isa) + " is not supported by this CPU (best: " + isa_name(best) + ")";
-  return "";
+  return check_threads_isa(a);
 }
 
 Status quantize(const QuantizeArgs& a) {

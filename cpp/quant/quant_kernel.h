@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 namespace llmq_quant {
@@ -26,19 +27,24 @@ enum class Isa { kAuto = 0, kScalar = 1, kAvx2 = 2, kAvx512 = 3 };
 // Python wrapper re-runs its reference path, which raises the exact message).
 enum class Status { kOk = 0, kNotFinite = 1, kRangeOverflow = 2 };
 
-struct QuantizeArgs {
-  const void* w = nullptr;   // [rows, k] contiguous, of `input`
+// The input matrix and how to run over it: what every kernel of this library takes (the FP
+// kernels take it as it is; QuantizeArgs adds the integer format and its outputs).
+struct MatrixArgs {
+  const void* w = nullptr;  // [rows, k] contiguous, of `input`
   InputType input = InputType::kFloat32;
   int64_t rows = 0;
   int64_t k = 0;
+  int threads = 0;  // 0 = every CPU this process may run on
+  Isa isa = Isa::kAuto;
+};
+
+struct QuantizeArgs : MatrixArgs {
   int bits = 4;              // 2..8
   int64_t group_size = 32;   // divides k
   bool symmetric = true;
   uint8_t* qdata = nullptr;  // [rows, k*bits/8]
   float* scale = nullptr;    // [rows, k/group_size]
   float* bias = nullptr;     // [rows, k/group_size]
-  int threads = 0;           // 0 = every CPU this process may run on
-  Isa isa = Isa::kAuto;
   // Optional per-group parameters chosen elsewhere (method "search", search_quant.h):
   // float32 [rows, k/group_size] scales and, when !symmetric, integer-valued zeros. When
   // given_scale is set no min/max sweep runs: codes, packing and bias follow the same rules
@@ -47,6 +53,24 @@ struct QuantizeArgs {
   const float* given_scale = nullptr;
   const float* given_zero = nullptr;
 };
+
+// f(std::integral_constant<InputType, t>{}): turns the run-time input type into the template
+// argument the row loops are instantiated for.
+template <typename F>
+auto dispatch_input(InputType t, F&& f) {
+  switch (t) {
+    case InputType::kBFloat16:
+      return f(std::integral_constant<InputType, InputType::kBFloat16>{});
+    case InputType::kFloat16:
+      return f(std::integral_constant<InputType, InputType::kFloat16>{});
+    default:
+      return f(std::integral_constant<InputType, InputType::kFloat32>{});
+  }
+}
+
+// Empty if `threads` and `isa` can run here, else a reason (the last checks of check_args and
+// check_fp_args).
+std::string check_threads_isa(const MatrixArgs& a);
 
 // Empty if the arguments describe a layout this kernel handles, else a reason.
 std::string check_args(const QuantizeArgs& a);

@@ -34,23 +34,29 @@ Isa parse_isa(const std::string& name) {
   throw std::invalid_argument("unknown isa '" + name + "' (expected auto, scalar, avx2, avx512)");
 }
 
+MatrixArgs matrix_args(uintptr_t w, const std::string& input, int64_t rows, int64_t k, int threads, const std::string& isa) {
+  MatrixArgs a;
+  a.w = reinterpret_cast<const void*>(w);
+  a.input = parse_input(input);
+  a.rows = rows;
+  a.k = k;
+  a.threads = threads;
+  a.isa = parse_isa(isa);
+  return a;
+}
+
 // Returns "ok", "not_finite" or "range_overflow".
 std::string run_quantize(uintptr_t w, const std::string& input, int64_t rows, int64_t k, int bits,
                          int64_t group_size, bool symmetric, uintptr_t qdata, uintptr_t scale, uintptr_t bias,
                          int threads, const std::string& isa) {
   QuantizeArgs a;
-  a.w = reinterpret_cast<const void*>(w);
-  a.input = parse_input(input);
-  a.rows = rows;
-  a.k = k;
+  static_cast<MatrixArgs&>(a) = matrix_args(w, input, rows, k, threads, isa);
   a.bits = bits;
   a.group_size = group_size;
   a.symmetric = symmetric;
   a.qdata = reinterpret_cast<uint8_t*>(qdata);
   a.scale = reinterpret_cast<float*>(scale);
   a.bias = reinterpret_cast<float*>(bias);
-  a.threads = threads;
-  a.isa = parse_isa(isa);
   const std::string err = check_args(a);
   if (!err.empty()) throw std::invalid_argument(err);
   Status s;
@@ -68,13 +74,18 @@ std::string run_quantize(uintptr_t w, const std::string& input, int64_t rows, in
   }
 }
 
+// The (scale, zero) searches' layout check: std::invalid_argument naming `what`.
+void check_group_layout(const char* what, int64_t rows, int64_t k, int64_t group_size, int bits) {
+  if (rows < 0 || k <= 0 || group_size <= 0 || k % group_size || bits < 2 || bits > 8)
+    throw std::invalid_argument(std::string(what) + ": bad rows/k/group_size/bits");
+}
+
 // Method "search": (scale, zero) per group of float32 rows g [rows, k] into scale / zero
 // [rows, k/group_size] (zero == 0: symmetric, not written). importance: 0, or the address of
 // float32 [k] positive per-input-channel weights.
 void run_search_qparams(uintptr_t g, int64_t rows, int64_t k, int64_t group_size, int bits, bool symmetric,
                         uintptr_t scale, uintptr_t zero, int threads, uintptr_t importance, const std::string& isa) {
-  if (rows < 0 || k <= 0 || group_size <= 0 || k % group_size || bits < 2 || bits > 8)
-    throw std::invalid_argument("search_qparams: bad rows/k/group_size/bits");
+  check_group_layout("search_qparams", rows, k, group_size, bits);
   const Isa i = parse_isa(isa);
   py::gil_scoped_release release;
   search_qparams(reinterpret_cast<const float*>(g), rows, k, group_size, bits, symmetric,
@@ -115,8 +126,7 @@ std::string run_search_quantize(uintptr_t w, const std::string& input, int64_t r
 // importance: 0, or the address of float32 [k] positive per-input-channel weights.
 void run_hqq_qparams(uintptr_t g, int64_t rows, int64_t k, int64_t group_size, int bits, uintptr_t scale,
                      uintptr_t zero, int threads, uintptr_t importance) {
-  if (rows < 0 || k <= 0 || group_size <= 0 || k % group_size || bits < 2 || bits > 8)
-    throw std::invalid_argument("hqq_qparams: bad rows/k/group_size/bits");
+  check_group_layout("hqq_qparams", rows, k, group_size, bits);
   py::gil_scoped_release release;
   hqq_qparams(reinterpret_cast<const float*>(g), rows, k, group_size, bits, reinterpret_cast<float*>(scale),
               reinterpret_cast<float*>(zero), threads, reinterpret_cast<const float*>(importance));
@@ -134,17 +144,6 @@ py::tuple run_count_nonfinite(uintptr_t data, const std::string& input, int64_t 
   return py::make_tuple(c.nan, c.inf);
 }
 
-FpArgs fp_args(uintptr_t w, const std::string& input, int64_t rows, int64_t k, int threads, const std::string& isa) {
-  FpArgs a;
-  a.w = reinterpret_cast<const void*>(w);
-  a.input = parse_input(input);
-  a.rows = rows;
-  a.k = k;
-  a.threads = threads;
-  a.isa = parse_isa(isa);
-  return a;
-}
-
 template <typename F>
 std::string run_fp(F&& f) {
   Status s;
@@ -159,7 +158,7 @@ std::string run_fp(F&& f) {
 std::string run_quantize_fp8(uintptr_t w, const std::string& input, int64_t rows, int64_t k,
                              const std::string& granularity, int64_t rows_per_scale, bool compute_scale, uintptr_t scale,
                              uintptr_t out, int threads, const std::string& isa) {
-  const FpArgs a = fp_args(w, input, rows, k, threads, isa);
+  const MatrixArgs a = matrix_args(w, input, rows, k, threads, isa);
   Fp8Granularity g;
   if (granularity == "tensor")
     g = Fp8Granularity::kTensor;
@@ -179,7 +178,7 @@ std::string run_quantize_fp8(uintptr_t w, const std::string& input, int64_t rows
 
 std::string run_quantize_mx(uintptr_t w, const std::string& input, int64_t rows, int64_t k, bool fp4, uintptr_t codes,
                             uintptr_t scale_e8m0, int threads, const std::string& isa) {
-  const FpArgs a = fp_args(w, input, rows, k, threads, isa);
+  const MatrixArgs a = matrix_args(w, input, rows, k, threads, isa);
   const std::string err = check_fp_args(a, 32);
   if (!err.empty()) throw std::invalid_argument(err);
   return run_fp([&] {
@@ -190,7 +189,7 @@ std::string run_quantize_mx(uintptr_t w, const std::string& input, int64_t rows,
 std::string run_quantize_nvfp4(uintptr_t w, const std::string& input, int64_t rows, int64_t k, int64_t rows_per_global,
                                bool compute_global, uintptr_t global_scale, uintptr_t codes, uintptr_t block_scale,
                                int threads, const std::string& isa) {
-  const FpArgs a = fp_args(w, input, rows, k, threads, isa);
+  const MatrixArgs a = matrix_args(w, input, rows, k, threads, isa);
   const std::string err = check_fp_args(a, 16);
   if (!err.empty()) throw std::invalid_argument(err);
   return run_fp([&] {
@@ -201,7 +200,7 @@ std::string run_quantize_nvfp4(uintptr_t w, const std::string& input, int64_t ro
 
 std::string run_abs_max(uintptr_t w, const std::string& input, int64_t rows, int64_t k, int64_t rows_per_group,
                         uintptr_t amax, int threads, const std::string& isa) {
-  const FpArgs a = fp_args(w, input, rows, k, threads, isa);
+  const MatrixArgs a = matrix_args(w, input, rows, k, threads, isa);
   const std::string err = check_fp_args(a, 1);
   if (!err.empty()) throw std::invalid_argument(err);
   return run_fp([&] { return abs_max(a, rows_per_group, reinterpret_cast<float*>(amax)); });

@@ -27,11 +27,11 @@ from llmq.quant.formats import dequantize_canonical
 from models.common.text_check import text_agreement, text_rows
 from models.common.tokenizer import load_tokenizer, write_tokenizer_files
 from models.gemma3.config import ModelConfig
-from models.gemma3.pipeline import ARCHITECTURE
+from models.gemma3.spec import ARCHITECTURE
 from models.pipeline import gguf_input
 from models.pipeline.hf_checkpoint import write_hf_checkpoint
 from models.pipeline.quantized_model import build_quantized_model
-from models.pipeline.report import format_table
+from models.pipeline.agreement import format_table
 
 
 def _user_path(path):

@@ -1,6 +1,6 @@
 """bazel run //models/gemma3:quantize_and_save -- [--checkpoint=DIR|FILE.gguf] [--recipe=int4] [--out=DIR]"""
 
-from models.gemma3.pipeline import ARCHITECTURE
+from models.gemma3.spec import ARCHITECTURE
 from models.pipeline.quantize_and_save import main_for
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from models.common.cache import StaticKVCache
-from models.gemma4.pipeline import ARCHITECTURE
+from models.gemma4.spec import ARCHITECTURE
 from models.pipeline import export_pt2
 from models.pipeline.export_pt2 import CacheEntry, StaticCacheLayout
 

@@ -16,7 +16,7 @@ from typing import Callable
 from llmq.quant.importance import Calibration, collect_calibration, token_batches
 from models.common.tokenizer import has_tokenizer, load_tokenizer
 from models.pipeline.arch import Architecture
-from models.pipeline.errors import UsageError
+from models.pipeline.usage_error import UsageError
 from models.pipeline.quantized_model import build_quantized_model
 
 WINDOW = 512

@@ -17,7 +17,7 @@ from llmq.backend import backend_names, get_backend
 from llmq.checkpoint import CheckpointError
 from llmq.quant.presets import all_presets
 from models.pipeline.arch import Architecture
-from models.pipeline.errors import UsageError
+from models.pipeline.usage_error import UsageError
 from models.pipeline.run import _user_path, run
 
 FLAGS = flags.FLAGS

@@ -16,10 +16,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from models.gemma4.pipeline import ARCHITECTURE as GEMMA4
+from models.gemma4.spec import ARCHITECTURE as GEMMA4
 from models.pipeline.default_model import write_default_checkpoint
 from models.pipeline.quantize_and_save import main_for
-from models.qwen.pipeline import ARCHITECTURE as QWEN
+from models.qwen.spec import ARCHITECTURE as QWEN
 
 INDEX = "model.safetensors.index.json"
 

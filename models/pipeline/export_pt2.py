@@ -36,7 +36,7 @@ from models.common.cache import ModelCache
 from models.pipeline import quantize_and_save
 from models.pipeline.arch import Architecture
 from models.pipeline.quantized_model import _StackedQuantized, build_quantized_model
-from models.pipeline.report import format_table
+from models.pipeline.agreement import format_table
 
 # --checkpoint, --recipe, --out and --seed are quantize_and_save's flags (so is --use_moe_quantized_op, if it
 # defines it); the rest are this binary's.
@@ -309,12 +309,12 @@ def load_quantized_model(arch: Architecture, *, bundle: Optional[str], checkpoin
 
 def swap_in_moe_op(model: nn.Module, recipe_name: str) -> List[str]:
     """Replace the model's MoE blocks with llmq.ops' QuantizedMoEBlock (torch.ops.llmq.quantized_moe_ffn),
-    repacking the bundle's quantized experts as they are (models/pipeline/moe_op.py; never re-quantized).
+    repacking the bundle's quantized experts as they are (models/pipeline/moe_op_swap.py; never re-quantized).
     Raises UsageError when llmq.ops or its kernel is unavailable or no block qualifies."""
     del recipe_name  # the weights already carry their quantization
     try:
         from llmq.ops.kernel_loader import MoEKernelUnavailable
-        from models.pipeline.moe_op import use_quantized_moe_op
+        from models.pipeline.moe_op_swap import use_quantized_moe_op
     except ImportError as e:
         raise quantize_and_save.UsageError(f"--use_moe_quantized_op: llmq.ops is not importable ({e})") from None
     try:

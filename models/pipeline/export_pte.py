@@ -41,7 +41,7 @@ from models.pipeline import export_pt2, quantize_and_save
 from models.pipeline.arch import Architecture
 from models.pipeline.export_pt2 import DecodeStep, PrefillStep, StaticCacheLayout
 from models.pipeline.quantized_model import QuantizedExperts, _StackedQuantized
-from models.pipeline.report import format_table
+from models.pipeline.agreement import format_table
 
 FLAGS = flags.FLAGS
 

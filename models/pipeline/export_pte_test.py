@@ -168,16 +168,16 @@ def _check_vs_eager(result, scale, decode_steps, tmp_path, arch_module, export_m
 
 def test_gemma4_pte_prefill_and_decode(tmp_path):
     from models.gemma4 import export as gemma_export
-    from models.gemma4 import pipeline as gemma_pipeline
+    from models.gemma4 import spec as gemma_spec
 
-    result, scale, _, steps = _model_case(gemma_pipeline, gemma_export, tmp_path)
-    _check_vs_eager(result, scale, steps, tmp_path, gemma_pipeline, gemma_export)
+    result, scale, _, steps = _model_case(gemma_spec, gemma_export, tmp_path)
+    _check_vs_eager(result, scale, steps, tmp_path, gemma_spec, gemma_export)
 
 
 def test_qwen_pte_prefill_and_decode(tmp_path):
     from models.qwen import export as qwen_export
-    from models.qwen import pipeline as qwen_pipeline
+    from models.qwen import spec as qwen_spec
 
-    result, scale, _, steps = _model_case(qwen_pipeline, qwen_export, tmp_path)
+    result, scale, _, steps = _model_case(qwen_spec, qwen_export, tmp_path)
     assert result["counts"]["expert_blocks"] > 0
-    _check_vs_eager(result, scale, steps, tmp_path, qwen_pipeline, qwen_export)
+    _check_vs_eager(result, scale, steps, tmp_path, qwen_spec, qwen_export)

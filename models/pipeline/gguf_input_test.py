@@ -29,15 +29,15 @@ from llmq.quant import GroupQuantizedWeight
 from llmq.quant.formats import dequantize_canonical
 from models.gemma4 import keymap as gemma_keymap
 from models.gemma4.gguf_checkpoint import GGUFConverter as GemmaConverter
-from models.gemma4.pipeline import ARCHITECTURE as GEMMA4
+from models.gemma4.spec import ARCHITECTURE as GEMMA4
 from models.pipeline.gguf_input import Metadata
 from models.pipeline.quantize_and_save import UsageError, run
 from models.pipeline.quantized_model import build_quantized_model
-from models.pipeline.report import compare_logits
+from models.pipeline.agreement import compare_logits
 from models.qwen import keymap as qwen_keymap
 from models.qwen.gguf_checkpoint import GGUFConverter as QwenConverter
 from models.qwen.gguf_checkpoint import hf_config_from_gguf as qwen_config_from_gguf
-from models.qwen.pipeline import ARCHITECTURE as QWEN
+from models.qwen.spec import ARCHITECTURE as QWEN
 
 Q8_0, Q4_0 = gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0
 # Never quantized (llama.cpp keeps them float too): norms, vectors, convs, routers.

@@ -11,10 +11,10 @@ import torch
 
 from llmq.checkpoint import load_bundle
 from llmq.quant import GroupQuantizedWeight
-from models.gemma4.pipeline import ARCHITECTURE as GEMMA4
+from models.gemma4.spec import ARCHITECTURE as GEMMA4
 from models.pipeline.default_model import write_default_checkpoint
 from models.pipeline.quantize_and_save import UsageError, run
-from models.qwen.pipeline import ARCHITECTURE as QWEN
+from models.qwen.spec import ARCHITECTURE as QWEN
 
 
 def _run(arch, tmp_path, recipe, out="out", checkpoint=None, backend="bundle", use_moe_op=False):
@@ -130,7 +130,7 @@ def test_verify_failure_fails_the_run_and_moves_the_output_aside(tmp_path, capsy
 
 
 def test_verdict_refuses_non_finite_and_nan():
-    from models.pipeline.report import verdict
+    from models.pipeline.agreement import verdict
 
     good = {"cosine": 0.99, "finite_reference": True, "finite_quantized": True}
     assert verdict(good, min_cosine=0.9) is None

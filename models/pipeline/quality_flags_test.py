@@ -10,7 +10,7 @@ import pytest
 
 from llmq.checkpoint import load_bundle
 from llmq.quant import GroupQuantizedWeight, load_recipe
-from models.gemma4.pipeline import ARCHITECTURE as GEMMA4
+from models.gemma4.spec import ARCHITECTURE as GEMMA4
 from models.pipeline.quantize_and_save import UsageError, run
 
 TEXT = "In the beginning the quantizer knew nothing of the text; then it read a few hundred tokens. " * 12

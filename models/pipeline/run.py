@@ -35,8 +35,8 @@ from models.pipeline.calibration import calibrate
 from models.pipeline.size_budget import RECIPE_FILE, choose_recipe
 from models.pipeline.arch import Architecture, quantizable_module
 from models.pipeline.checks import check_headers, checked_stream, expected_tensors
-from models.pipeline.errors import UsageError
-from models.pipeline.report import format_table
+from models.pipeline.usage_error import UsageError
+from models.pipeline.agreement import format_table
 
 VERIFY_LIMIT_BYTES = 4 << 30
 

@@ -22,7 +22,7 @@ from llmq.quant import QuantRecipe
 from llmq.quant.budget import DEFAULT_OPTIONS, Option, budget_recipe, choose, measure_options, summarize
 from llmq.quant.importance import Calibration
 from models.pipeline.arch import quantizable_module
-from models.pipeline.errors import UsageError
+from models.pipeline.usage_error import UsageError
 
 RECIPE_FILE = "budget_recipe.json"
 

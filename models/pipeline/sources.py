@@ -19,7 +19,7 @@ from llmq.checkpoint import CheckpointError, iter_checkpoint, read_gguf_metadata
 from models.pipeline import gguf_input
 from models.pipeline.arch import Architecture
 from models.pipeline.default_model import write_default_checkpoint, write_tiny_tokenizer
-from models.pipeline.errors import UsageError
+from models.pipeline.usage_error import UsageError
 from models.pipeline.streaming import merge_experts_stream
 
 # Files a tokenizer loader may read (mlx-lm, transformers); carried from a real checkpoint when present.

@@ -14,9 +14,9 @@ from typing import Callable, Dict, List, Optional, Tuple
 from models.common.text_check import DEFAULT_PROMPT, text_agreement, text_rows
 from models.common.tokenizer import has_tokenizer, load_tokenizer
 from models.pipeline.arch import Architecture
-from models.pipeline.errors import UsageError
+from models.pipeline.usage_error import UsageError
 from models.pipeline.quantized_model import build_quantized_model
-from models.pipeline.report import compare_logits, verdict, verification_prompt
+from models.pipeline.agreement import compare_logits, verdict, verification_prompt
 
 
 def step(message: str) -> None:
@@ -63,7 +63,7 @@ def verify(arch: Architecture, config, source, backend, job, path: str, referenc
         result.update(consumer_result)
         failure = failure or consumer_result.get("failure")
     if use_moe_op and failure is None:
-        from models.pipeline.moe_op import use_quantized_moe_op
+        from models.pipeline.moe_op_swap import use_quantized_moe_op
 
         with_op = build_quantized_model(arch.build_model(config, device="meta"), reloaded)
         swapped = use_quantized_moe_op(with_op)

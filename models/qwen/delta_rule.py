@@ -8,8 +8,8 @@ write strength b_t, L2-normalised key k_t, value v_t and query q_t (already scal
     S_t  = S' + k_t u_t^T
     o_t  = S_t^T q_t
 
-``recurrent_delta_rule`` runs that loop (decode). ``chunked_delta_rule`` computes the same thing
-C tokens at a time (prefill): inside a chunk, with cumulative log decay c_t and S0 the state at the
+``delta_rule(..., chunk_size=None)`` runs that loop (decode); with a chunk size it computes the same
+thing C tokens at a time (prefill): inside a chunk, with cumulative log decay c_t and S0 the state at the
 chunk start, unrolling gives
 
     u_t + sum_{s<t} b_t e^{c_t-c_s} (k_t.k_s) u_s = b_t v_t - b_t e^{c_t} S0^T k_t
@@ -27,8 +27,9 @@ from typing import Optional, Tuple
 import torch
 
 
-def _prepare(query, key, value, log_decay, beta):
-    """[B, S, H, d] inputs -> float32 [B, H, S, d]; keys/queries L2-normalised, queries scaled, k heads repeated."""
+def _prepare(query, key, value, log_decay, beta, state):
+    """[B, S, H, d] inputs -> float32 [B, H, S, d]; keys/queries L2-normalised, queries scaled, k heads repeated;
+    and the float32 state [B, H, dk, dv] to start from (zeros where `state` is None)."""
     k_heads, v_heads = key.shape[2], value.shape[2]
     if v_heads != k_heads:
         query = query.repeat_interleave(v_heads // k_heads, dim=2)
@@ -38,53 +39,47 @@ def _prepare(query, key, value, log_decay, beta):
     query = query * torch.rsqrt((query * query).sum(-1, keepdim=True) + 1e-6)
     key = key * torch.rsqrt((key * key).sum(-1, keepdim=True) + 1e-6)
     query = query * query.shape[-1] ** -0.5
-    return query, key, value, log_decay, beta
+    batch, heads, _, dk = key.shape
+    if state is None:
+        state = torch.zeros(batch, heads, dk, value.shape[-1], dtype=torch.float32, device=value.device)
+    return query, key, value, log_decay, beta, state.float()
 
 
-def recurrent_delta_rule(
+def delta_rule(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
     log_decay: torch.Tensor,
     beta: torch.Tensor,
     state: Optional[torch.Tensor] = None,
+    chunk_size: Optional[int] = 64,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Token-by-token form. query/key [B, S, Hk, dk], value [B, S, Hv, dv], log_decay/beta [B, S, Hv].
+    """query/key [B, S, Hk, dk], value [B, S, Hv, dv], log_decay/beta [B, S, Hv]; `chunk_size` tokens at
+    a time (prefill), or token by token where it is None (decode, and the reference form).
 
     Returns (output [B, S, Hv, dv] in value's dtype, final state [B, Hv, dk, dv] float32).
     """
-    out_dtype = value.dtype
-    q, k, v, log_g, b = _prepare(query, key, value, log_decay, beta)
-    batch, heads, seq, dk = k.shape
-    dv = v.shape[-1]
-    s = torch.zeros(batch, heads, dk, dv, dtype=torch.float32, device=v.device) if state is None else state.float()
+    prepared = _prepare(query, key, value, log_decay, beta, state)
+    out, final = _recurrent(*prepared) if chunk_size is None else _chunked(*prepared, chunk_size)
+    return out.transpose(1, 2).to(value.dtype), final
+
+
+def _recurrent(q, k, v, log_g, b, s):
+    """The token loop on _prepare's tensors: (output [B, H, S, dv], final state)."""
     outputs = []
-    for t in range(seq):
+    for t in range(k.shape[2]):
         s = s * log_g[:, :, t].exp()[..., None, None]
         k_t = k[:, :, t]
         predicted = torch.einsum("bhkv,bhk->bhv", s, k_t)
         delta = (v[:, :, t] - predicted) * b[:, :, t, None]
         s = s + k_t[..., :, None] * delta[..., None, :]
         outputs.append(torch.einsum("bhkv,bhk->bhv", s, q[:, :, t]))
-    out = torch.stack(outputs, dim=2)  # [B, H, S, dv]
-    return out.transpose(1, 2).to(out_dtype), s
+    return torch.stack(outputs, dim=2), s
 
 
-def chunked_delta_rule(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    log_decay: torch.Tensor,
-    beta: torch.Tensor,
-    state: Optional[torch.Tensor] = None,
-    chunk_size: int = 64,
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Chunk-parallel form, same arguments and results as ``recurrent_delta_rule``."""
-    out_dtype = value.dtype
-    q, k, v, log_g, b = _prepare(query, key, value, log_decay, beta)
-    batch, heads, seq, dk = k.shape
-    dv = v.shape[-1]
-    s = torch.zeros(batch, heads, dk, dv, dtype=torch.float32, device=v.device) if state is None else state.float()
+def _chunked(q, k, v, log_g, b, s, chunk_size):
+    """The chunk-parallel form on _prepare's tensors: (output [B, H, S, dv], final state)."""
+    batch, heads, seq, _ = k.shape
     pad = (-seq) % chunk_size
     if pad:
         # Padded tokens have b = 0 (write nothing) and log decay 0 (keep the state): the final state is exact.
@@ -114,5 +109,4 @@ def chunked_delta_rule(
         u = solved_values[:, :, i] - solved_state[:, :, i] @ s
         outputs.append(q_decayed[:, :, i] @ s + intra[:, :, i] @ u)
         s = s * chunk_decay[:, :, i, None, None] + k_to_end[:, :, i].transpose(-1, -2) @ u
-    out = torch.cat(outputs, dim=2)[:, :, :seq]
-    return out.transpose(1, 2).to(out_dtype), s
+    return torch.cat(outputs, dim=2)[:, :, :seq], s

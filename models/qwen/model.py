@@ -25,7 +25,7 @@ from models.common.causal_lm import CausalLM
 from models.common.mlp import GatedMLP
 from models.common.rope import apply_rope, default_inv_freq, rope_cos_sin
 from models.qwen.config import ModelConfig
-from models.qwen.delta_rule import chunked_delta_rule, recurrent_delta_rule
+from models.qwen.delta_rule import delta_rule
 
 
 class ZeroCenteredRMSNorm(nn.Module):
@@ -113,10 +113,8 @@ class GatedDeltaNet(nn.Module):
         # log of the per-token state decay: -exp(A_log) * softplus(a + dt_bias), computed in float32
         log_decay = -self.A_log.float().exp() * F.softplus(self.in_proj_a(hidden).float() + self.dt_bias)
         initial = None if state is None else state.recurrent
-        if seq == 1 and initial is not None:
-            core, final = recurrent_delta_rule(query, key, value, log_decay, beta, initial)
-        else:
-            core, final = chunked_delta_rule(query, key, value, log_decay, beta, initial)
+        chunk_size = None if seq == 1 and initial is not None else 64
+        core, final = delta_rule(query, key, value, log_decay, beta, initial, chunk_size)
         if state is not None:
             state.recurrent = final
         z = self.in_proj_z(hidden).reshape(batch, seq, self.num_v_heads, self.head_v_dim)

@@ -16,9 +16,9 @@ from models.common import parity
 from models.common.loading import load_model
 from models.qwen import keymap
 from models.qwen.config import ModelConfig
-from models.qwen.delta_rule import chunked_delta_rule, recurrent_delta_rule
+from models.qwen.delta_rule import delta_rule
 from models.qwen.model import build_model
-from models.qwen.pipeline import ARCHITECTURE
+from models.qwen.spec import ARCHITECTURE
 
 
 
@@ -71,9 +71,9 @@ def test_chunked_delta_rule_equals_recurrent():
     log_decay = -torch.rand(b, s, hv, generator=g) * 3
     beta = torch.rand(b, s, hv, generator=g)
     state = torch.randn(b, hv, dk, dv, generator=g)
-    ref_out, ref_state = recurrent_delta_rule(q, k, v, log_decay, beta, state)
+    ref_out, ref_state = delta_rule(q, k, v, log_decay, beta, state, chunk_size=None)
     for chunk in (8, 16, 64):
-        out, final = chunked_delta_rule(q, k, v, log_decay, beta, state, chunk_size=chunk)
+        out, final = delta_rule(q, k, v, log_decay, beta, state, chunk_size=chunk)
         torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(final, ref_state, rtol=1e-5, atol=1e-5)
 

@@ -38,7 +38,7 @@ import torch
 
 from llmq.checkpoint.safetensors_io import alloc_bytes
 from llmq.quant import _native
-from llmq.quant.formats import GroupQuantizedWeight, pack_bits, unpack_bits
+from llmq.quant.formats import GroupQuantizedWeight, first_of_alike, pack_bits, unpack_bits
 
 TINYGEMM_GROUP_SIZES = (32, 64, 128, 256)
 TINYGEMM_INNER_K_TILES = (2, 4, 8)
@@ -288,17 +288,8 @@ def dequantize_tinygemm(t: TinygemmInt4Weight, dtype: torch.dtype = torch.float3
 
 def stack_experts(experts: Sequence[TinygemmInt4Weight]) -> TinygemmInt4Weight:
     """Per-expert layout: stack experts that share shape and packing along a new dim 0."""
-    if not experts:
-        raise ValueError("stack_experts: no experts given")
-    first = experts[0]
-    key = (first.shape, first.group_size, first.inner_k_tiles, first.scale_and_zero.dtype)
-    for i, e in enumerate(experts):
-        if (e.shape, e.group_size, e.inner_k_tiles, e.scale_and_zero.dtype) != key:
-            raise ValueError(
-                f"stack_experts: expert {i} has shape={e.shape} group_size={e.group_size} "
-                f"inner_k_tiles={e.inner_k_tiles}; expert 0 has shape={first.shape} "
-                f"group_size={first.group_size} inner_k_tiles={first.inner_k_tiles}"
-            )
+    first = first_of_alike(experts, lambda e: {"shape": e.shape, "group_size": e.group_size,
+                                               "inner_k_tiles": e.inner_k_tiles, "scales": e.scale_and_zero.dtype})
     return TinygemmInt4Weight(
         qdata=torch.stack([e.qdata for e in experts]),
         scale_and_zero=torch.stack([e.scale_and_zero for e in experts]),

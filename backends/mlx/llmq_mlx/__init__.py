@@ -19,7 +19,7 @@ from .affine import (
     unpack_mlx_affine,
 )
 from .regroup import fallback_params, mlx_group_size_for, regroup, requantize_affine
-from .writer import write_mlx_lm_folder
+from .mlx_lm_writer import write_mlx_lm_folder
 
 __all__ = [
     "FP_MODES",

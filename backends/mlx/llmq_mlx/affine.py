@@ -23,7 +23,7 @@ from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
-from llmq.quant.formats import GroupQuantizedWeight, dequantize_canonical, unpack_bits
+from llmq.quant.formats import GroupQuantizedWeight, dequantize_canonical, first_of_alike, unpack_bits
 
 from .regroup import (  # regroup imports nothing from here: no import cycle
     MLX_BITS,
@@ -189,18 +189,8 @@ def stack_experts(experts: Sequence[MLXQuantizedWeight]) -> MLXQuantizedWeight:
     Every expert must share shape, bits, group size and scale dtype: mlx-lm's
     `QuantizedSwitchLinear` has one set of quantization parameters per layer.
     """
-    if not experts:
-        raise ValueError("stack_experts: no experts given")
-    first = experts[0]
-    for i, e in enumerate(experts):
-        if (e.shape, e.bits, e.group_size, e.mode, e.scales.dtype) != (
-            first.shape, first.bits, first.group_size, first.mode, first.scales.dtype
-        ):
-            raise ValueError(
-                f"stack_experts: expert {i} has shape={e.shape} bits={e.bits} group_size={e.group_size} "
-                f"scales={e.scales.dtype}, expert 0 has shape={first.shape} bits={first.bits} "
-                f"group_size={first.group_size} scales={first.scales.dtype}"
-            )
+    first = first_of_alike(experts, lambda e: {"shape": e.shape, "bits": e.bits, "group_size": e.group_size,
+                                               "mode": e.mode, "scales": e.scales.dtype})
     return MLXQuantizedWeight(
         weight=torch.stack([e.weight for e in experts]),
         scales=torch.stack([e.scales for e in experts]),

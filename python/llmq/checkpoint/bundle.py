@@ -52,9 +52,9 @@ from llmq.checkpoint.errors import (
     ResumeMismatchError,
     TensorMismatchError,
 )
-from llmq.checkpoint.fileio import copy_file, fsync_path, write_all, write_error, write_file_atomic
+from llmq.checkpoint.fileio import copy_file, fsync_path, remove_partial, write_all, write_error, write_file_atomic
 from llmq.checkpoint.safetensors_io import DTYPE_NAMES
-from llmq.checkpoint.shard_file import ShardLayout, header_reserve
+from llmq.checkpoint.shard_file import ShardLayout, ShardRotation
 from llmq.quant.formats import Format, format_of, format_names, get_format
 
 Value = Any  # a torch.Tensor or a quantized weight of any registered format (llmq.quant.formats)
@@ -382,11 +382,8 @@ class _ShardBuilder:
         return {"file": self.file, "bytes": size, "blake3": digest, "tensors": self.tensors}
 
     def discard(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-        if os.path.exists(self.tmp):
-            os.unlink(self.tmp)
+        fd, self._fd = self._fd, None
+        remove_partial(fd, self.tmp)
 
 
 def _checked(fn: Callable[..., Any], path: str, *args: Any, what: str, **kwargs: Any) -> Any:
@@ -434,21 +431,18 @@ class BundleWriter:
                  max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, resume: bool = True, overwrite: bool = False,
                  fsync: bool = True, write_queue_bytes: int = DEFAULT_WRITE_QUEUE_BYTES,
                  extra_files: Iterable[os.PathLike] = ()):
-        if max_shard_bytes <= 0:
-            raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+        self.rotation = ShardRotation(max_shard_bytes)
         if write_queue_bytes < 0:
             raise ValueError(f"write_queue_bytes must be >= 0, got {write_queue_bytes}")
         self.out_dir = os.path.abspath(os.fspath(out_dir))
         self.partial = self.out_dir + PARTIAL_SUFFIX
         self.fsync = fsync
-        self.max_shard_bytes = int(max_shard_bytes)
-        self.reserve = header_reserve(self.max_shard_bytes)
         self.overwrite = overwrite
         self.extra_files = _check_extra_files(extra_files)
         if os.path.exists(self.out_dir) and not overwrite:
             raise CheckpointError("output already exists; pass overwrite=True to replace it", path=self.out_dir)
         # Round-tripped through canonical JSON so a resumed run's records match a fresh run's byte for byte.
-        self.settings = _normalised({"max_shard_bytes": self.max_shard_bytes, "recipe": _recipe_to_json(recipe),
+        self.settings = _normalised({"max_shard_bytes": self.rotation.max_shard_bytes, "recipe": _recipe_to_json(recipe),
                                      "metadata": dict(metadata or {})})
         self.shards: List[Dict[str, Any]] = []  # appended by the writer thread once a shard is in place
         self._replay: List[Tuple[str, Dict[str, Any]]] = []
@@ -466,7 +460,7 @@ class BundleWriter:
             raise
         self._resumed = len(self.shards)
         self._placed_shards = len(self.shards)  # shards closed in the caller's thread (maybe not yet on disk)
-        self._shard = _ShardBuilder(self.partial, self._placed_shards + 1, self.reserve)
+        self._shard = _ShardBuilder(self.partial, self._placed_shards + 1, self.rotation.reserve)
         self._writer = _Worker("llmq-bundle-writer", write_queue_bytes)
         self._sealer = _Worker("llmq-bundle-hash", float("inf"))
         self._syncer = _Worker("llmq-bundle-fsync", float("inf")) if fsync else None
@@ -598,14 +592,14 @@ class BundleWriter:
             if entry in self._names:
                 raise TensorMismatchError(f"stored name {entry!r} is already used by {self._names[entry]!r}",
                                           path=self.out_dir, tensor=fqn)
-        if not self._shard.fits(parts, self.max_shard_bytes):
+        if self.rotation.must_rotate(self._shard, parts):
             self._close_shard()
         for entry, _ in parts:
             self._names[entry] = fqn
         shard = self._shard
         writes = shard.place(fqn, record, parts)
         if shard.header_overflows():  # one item with more entries than the reserve holds
-            raise TensorMismatchError(f"needs a header larger than the {self.reserve}-byte reserve; "
+            raise TensorMismatchError(f"needs a header larger than the {self.rotation.reserve}-byte reserve; "
                                       "raise max_shard_bytes", path=self.out_dir, tensor=fqn)
         self._writer.submit(lambda: _discard_on_error(shard, shard.write, writes, self._syncer),
                             sum(len(mv) for _, _, mv in writes))
@@ -623,7 +617,7 @@ class BundleWriter:
 
         self._writer.submit(end_writes)
         self._placed_shards += 1
-        self._shard = _ShardBuilder(self.partial, self._placed_shards + 1, self.reserve)
+        self._shard = _ShardBuilder(self.partial, self._placed_shards + 1, self.rotation.reserve)
 
     def _drain(self) -> None:
         """Wait for the writer and fsync threads; re-raise the first error either had."""
@@ -678,7 +672,7 @@ class BundleWriter:
             "recipe": self.settings["recipe"],
             "metadata": self.settings["metadata"],
             "library_versions": _library_versions(),
-            "max_shard_bytes": self.max_shard_bytes,
+            "max_shard_bytes": self.rotation.max_shard_bytes,
             "total_bytes": sum(s["bytes"] for s in self.shards),
             "shards": [{k: s[k] for k in ("file", "bytes", "blake3")} for s in self.shards],
             "files": sorted(files, key=lambda f: f["file"]),

@@ -341,7 +341,7 @@ def test_many_small_tensors_close_shards_before_the_header_overflows(tmp_path):
 def test_iter_checkpoint_reads_a_bundle_in_canonical_form(tmp_path):
     from llmq.checkpoint import iter_checkpoint
     from llmq.checkpoint.bundle import MANIFEST
-    from llmq.checkpoint.sources import BUNDLE_MANIFEST
+    from llmq.checkpoint.tensor_sources import BUNDLE_MANIFEST
 
     assert BUNDLE_MANIFEST == MANIFEST
     out = save_bundle(stream(2), tmp_path / "b", max_shard_bytes=3000, fsync=False)

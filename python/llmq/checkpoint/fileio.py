@@ -141,6 +141,14 @@ def save_safetensors(path: str, tensors: Mapping[str, torch.Tensor], metadata: O
     publish_mode(path)
 
 
+def remove_partial(fd: Optional[int], path: str) -> None:
+    """Drop an unfinished output file: close `fd` (where open) and delete `path` (where it is)."""
+    if fd is not None:
+        os.close(fd)
+    if os.path.exists(path):
+        os.unlink(path)
+
+
 def _unlink_quietly(path: str) -> None:
     try:
         os.unlink(path)

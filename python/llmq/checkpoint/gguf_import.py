@@ -46,7 +46,7 @@ from llmq.checkpoint.errors import (
     UnsupportedCheckpointError,
 )
 from llmq.checkpoint.gguf_header import GGUFHeader, parse_header_cached
-from llmq.checkpoint.safetensors_io import alloc_bytes, pread_exact
+from llmq.checkpoint.safetensors_io import OpenReadOnly, alloc_bytes, pread_exact
 from llmq.quant.formats import GroupQuantizedWeight, get_format
 from llmq.quant.formats.gguf_blocks import BLOCK_TYPES
 
@@ -98,7 +98,7 @@ def to_canonical(type_name: str, raw: torch.Tensor, shape: Tuple[int, ...], *,
     return get_format(type_name).rebuild(type_name, {}, tuple(shape), dtype, {"blocks": raw})
 
 
-class GGUFFile:
+class GGUFFile(OpenReadOnly):
     """A parsed, validated GGUF file: metadata, tensor table, and one-tensor-at-a-time reads.
 
     The header is parsed by ``gguf_header`` (once per process for an unchanged file; large
@@ -152,20 +152,6 @@ class GGUFFile:
             if cur.start < prev.start + prev.nbytes:
                 raise CorruptCheckpointError(f"data overlaps tensor {prev.name!r}", path=self.path, tensor=cur.name)
         return out
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        self.close()
-
-    def close(self) -> None:
-        fd, self._fd = getattr(self, "_fd", None), None
-        if fd is not None:
-            os.close(fd)
 
     def read_raw(self, info: GGUFTensorInfo) -> torch.Tensor:
         raw = alloc_bytes(info.nbytes)

@@ -23,7 +23,7 @@ from llmq.checkpoint.errors import (
     NonFiniteWeightError,
     TensorMismatchError,
 )
-from llmq.checkpoint.sources import Source, open_source
+from llmq.checkpoint.tensor_sources import Source, open_source
 from llmq.quant import _native
 from llmq.quant.formats import GroupQuantizedWeight
 

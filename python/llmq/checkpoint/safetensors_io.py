@@ -323,17 +323,11 @@ def pread_exact(fd: int, buf: memoryview, offset: int, *, path: str, tensor: str
         raise error
 
 
-class SafetensorsFile:
-    """An open, validated safetensors file; ``read(name)`` materialises one tensor."""
+class OpenReadOnly:
+    """Owns ``self._fd``, a read-only descriptor of ``self.path`` (what ``pread_exact`` reads):
+    a context manager that closes it at exit, on ``close()`` or when collected."""
 
-    def __init__(self, path: os.PathLike):
-        self.header = read_header(path)
-        self.path = self.header.path
-        self._fd: Optional[int] = os.open(self.path, os.O_RDONLY)
-        # A file replaced or truncated between parsing and reading is caught here or by pread.
-        if os.fstat(self._fd).st_size != self.header.file_size:
-            self.close()
-            raise CorruptCheckpointError("file changed size after its header was read", path=self.path)
+    _fd: Optional[int] = None
 
     def __enter__(self):
         return self
@@ -345,9 +339,22 @@ class SafetensorsFile:
         self.close()
 
     def close(self) -> None:
-        fd, self._fd = getattr(self, "_fd", None), None
+        fd, self._fd = self._fd, None
         if fd is not None:
             os.close(fd)
+
+
+class SafetensorsFile(OpenReadOnly):
+    """An open, validated safetensors file; ``read(name)`` materialises one tensor."""
+
+    def __init__(self, path: os.PathLike):
+        self.header = read_header(path)
+        self.path = self.header.path
+        self._fd: Optional[int] = os.open(self.path, os.O_RDONLY)
+        # A file replaced or truncated between parsing and reading is caught here or by pread.
+        if os.fstat(self._fd).st_size != self.header.file_size:
+            self.close()
+            raise CorruptCheckpointError("file changed size after its header was read", path=self.path)
 
     @property
     def entries(self) -> Dict[str, TensorEntry]:

@@ -22,10 +22,10 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from llmq.checkpoint.fileio import write_all, write_error
+from llmq.checkpoint.fileio import remove_partial, write_all, write_error
 from llmq.checkpoint.safetensors_io import encode_header, entry_fragment_size, header_json_size
 
-__all__ = ["ShardLayout", "StreamingShardFile", "header_reserve", "tensor_bytes"]
+__all__ = ["ShardLayout", "ShardRotation", "StreamingShardFile", "header_reserve", "hf_shard_names", "tensor_bytes"]
 
 
 def header_reserve(max_shard_bytes: int) -> int:
@@ -40,6 +40,31 @@ def header_reserve(max_shard_bytes: int) -> int:
     while reserve < 1 << 20 and reserve * 2048 < max_shard_bytes:
         reserve *= 2
     return reserve
+
+
+class ShardRotation:
+    """The one rule every llmq shard writer (the bundle, the HF export, the MLX folder) starts a
+    new shard by: a positive size limit, the header gap it implies (`reserve`), and
+    `must_rotate`: the open shard closes when the next item would not fit it."""
+
+    def __init__(self, max_shard_bytes: int):
+        if max_shard_bytes <= 0:
+            raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+        self.max_shard_bytes = int(max_shard_bytes)
+        self.reserve = header_reserve(self.max_shard_bytes)
+
+    def must_rotate(self, shard: Optional["ShardLayout"], *item) -> bool:
+        """Whether the open `shard` (None: no shard open yet) cannot take `item` (the arguments
+        of its `fits` before the size limit) within the limit."""
+        return shard is not None and not shard.fits(*item, self.max_shard_bytes)
+
+
+def hf_shard_names(count: int) -> List[str]:
+    """Hugging Face's file names for `count` shards: model.safetensors when there is one, else
+    model-0000i-of-0000N.safetensors."""
+    if count == 1:
+        return ["model.safetensors"]
+    return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -152,8 +177,5 @@ class StreamingShardFile(ShardLayout):
 
     def discard(self) -> None:
         """Close and delete an unfinished file."""
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-        if os.path.exists(self.path):
-            os.unlink(self.path)
+        fd, self._fd = self._fd, None
+        remove_partial(fd, self.path)

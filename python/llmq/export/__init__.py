@@ -2,7 +2,7 @@
 quantization configs, and streaming writers for ModelOpt- and compressed-tensors-style folders.
 See docs/export.md."""
 
-from llmq.export.hf_config import (
+from llmq.export.quant_config import (
     build_compressed_tensors_config,
     build_hf_quantization_config,
     build_modelopt_hf_quant_config,

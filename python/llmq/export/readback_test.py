@@ -10,14 +10,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from llmq.export import ExportState, consumer_warnings, make_spec, read_export, verify_export, write_hf_quantized_checkpoint
+from llmq.quant.presets import FP8_PER_CHANNEL as FP8_CHANNEL, INT4, MXFP4, MXFP8, NVFP4
 from llmq.quant.recipe import QuantConfig
 
-NVFP4 = QuantConfig(format="nvfp4", bits=4, group_size=16)
-MXFP4 = QuantConfig(format="mxfp4", bits=4, group_size=32)
-MXFP8 = QuantConfig(format="mxfp8", bits=8, group_size=32)
 FP8_BLOCK = QuantConfig(format="fp8", bits=8, group_size=128)
-FP8_CHANNEL = QuantConfig(format="fp8", bits=8, group_size=None)
-INT4 = QuantConfig(format="int", bits=4, group_size=32)
 INT8_ASYM = QuantConfig(format="int", bits=8, group_size=64, symmetric=False)
 KEEP = ("lm_head", "embed_tokens", "mlp.gate")
 SIBLINGS = [("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")]

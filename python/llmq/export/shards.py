@@ -20,18 +20,15 @@ from typing import Dict, List, Optional
 import torch
 
 from llmq.checkpoint.fileio import write_file_atomic
-from llmq.checkpoint.shard_file import StreamingShardFile, header_reserve
+from llmq.checkpoint.shard_file import ShardRotation, StreamingShardFile, hf_shard_names
 
 
 class ShardWriter:
     """Collects (name, tensor) pairs into size-limited safetensors shards in `folder`."""
 
     def __init__(self, folder: str, max_shard_bytes: int = 5 << 30):
-        if max_shard_bytes <= 0:
-            raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+        self.rotation = ShardRotation(max_shard_bytes)
         self.folder = folder
-        self.max_shard_bytes = max_shard_bytes
-        self._reserve = header_reserve(max_shard_bytes)
         self._open: Optional[StreamingShardFile] = None
         self._shards: List[Dict[str, int]] = []  # per shard: name -> nbytes
         self._seen = set()
@@ -50,7 +47,7 @@ class ShardWriter:
             return writer
         with open(path) as f:
             journal = json.load(f)
-        if journal.get("max_shard_bytes") != max_shard_bytes:
+        if journal.get("max_shard_bytes") != writer.rotation.max_shard_bytes:
             raise ValueError(f"{folder}: the interrupted export used max_shard_bytes={journal.get('max_shard_bytes')}, not {max_shard_bytes}; resume with the same settings or start over")
         for i, shard in enumerate(journal["shards"]):
             if not os.path.exists(writer._shard_path(i)):
@@ -76,10 +73,10 @@ class ShardWriter:
         if name in self._seen:
             raise ValueError(f"tensor {name!r} written twice")
         self._seen.add(name)
-        if self._open is not None and not self._open.fits(name, tensor, self.max_shard_bytes):
+        if self.rotation.must_rotate(self._open, name, tensor):
             self._flush()
         if self._open is None:
-            self._open = StreamingShardFile(self._shard_path(len(self._shards)) + ".part", self._reserve)
+            self._open = StreamingShardFile(self._shard_path(len(self._shards)) + ".part", self.rotation.reserve)
         self._open.add(name, tensor)
         self.total_bytes += tensor.numel() * tensor.element_size()
 
@@ -92,7 +89,7 @@ class ShardWriter:
         os.replace(shard.path, self._shard_path(index))  # a shard is either complete or absent
         self._shards.append(dict(shard.sizes))
         write_file_atomic(os.path.join(self.folder, self.JOURNAL),
-                          json.dumps({"max_shard_bytes": self.max_shard_bytes, "shards": self._shards}).encode(),
+                          json.dumps({"max_shard_bytes": self.rotation.max_shard_bytes, "shards": self._shards}).encode(),
                           fsync=False)
 
     def close(self) -> List[str]:
@@ -104,7 +101,7 @@ class ShardWriter:
         count = len(self._shards)
         if count == 0:
             raise ValueError("no tensors were written")
-        names = ["model.safetensors"] if count == 1 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+        names = hf_shard_names(count)
         for i, final in enumerate(names):
             os.replace(self._shard_path(i), os.path.join(self.folder, final))
         os.remove(os.path.join(self.folder, self.JOURNAL))

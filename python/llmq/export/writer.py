@@ -28,7 +28,7 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 import torch
 
 from llmq.checkpoint.fileio import copy_file, write_error, write_file_atomic
-from llmq.export.hf_config import build_hf_quantization_config, build_modelopt_hf_quant_config
+from llmq.export.quant_config import build_hf_quantization_config, build_modelopt_hf_quant_config
 from llmq.export.shards import ShardWriter
 from llmq.export.spec import (
     STYLES,

@@ -12,14 +12,10 @@ from safetensors.torch import load_file
 
 from llmq.export import write_hf_quantized_checkpoint
 from llmq.quant import fp
+from llmq.quant.presets import FP8_PER_CHANNEL as FP8_CHANNEL, INT4, MXFP4, MXFP8, NVFP4
 from llmq.quant.recipe import QuantConfig
 
-NVFP4 = QuantConfig(format="nvfp4", bits=4, group_size=16)
-MXFP4 = QuantConfig(format="mxfp4", bits=4, group_size=32)
-MXFP8 = QuantConfig(format="mxfp8", bits=8, group_size=32)
 FP8_BLOCK = QuantConfig(format="fp8", bits=8, group_size=128)
-FP8_CHANNEL = QuantConfig(format="fp8", bits=8, group_size=None)
-INT4 = QuantConfig(format="int", bits=4, group_size=32)
 INT8_ASYM = QuantConfig(format="int", bits=8, group_size=64, symmetric=False)
 UNQUANTIZED = ("lm_head", "embed_tokens", "mlp.gate")
 

@@ -54,9 +54,11 @@ def dequantize_graph(qdata: torch.Tensor, scale: torch.Tensor, bias: torch.Tenso
     return w.reshape(*w.shape[:-2], k)
 
 
-def _require_int(config: QuantConfig, name: str) -> None:
+def _quantize_int(weight: torch.Tensor, config: QuantConfig, name: str) -> GroupQuantizedWeight:
+    """The canonical weight of a float module's `weight` (formats with a quantized module only)."""
     if not get_format(config.format).has_quantized_module:
         raise NotImplementedError(f"{name}: no quantized module for format {config.format!r} yet (only 'int')")
+    return quantize_weight(weight.detach(), config, name=f"{name}.weight")
 
 
 class _QuantizedWeightMixin:
@@ -79,6 +81,13 @@ class _QuantizedWeightMixin:
         self.weight_qdata.copy_(qw.qdata)
         self.weight_scale.copy_(qw.scale)
         self.weight_bias.copy_(qw.bias)
+
+    def _dequantized(self, k: int, ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """float32 [n, k] weight (rows `ids` only where given), in export-friendly ops."""
+        q, s, b = self.weight_qdata, self.weight_scale, self.weight_bias
+        if ids is not None:
+            q, s, b = q[ids], s[ids], b[ids]
+        return dequantize_graph(q, s, b, self.bits, self.group_size, k)
 
     def quantized_weight(self) -> GroupQuantizedWeight:
         """The canonical weight this module holds (views of its buffers, on CPU)."""
@@ -118,12 +127,10 @@ class QuantizedLinear(_QuantizedWeightMixin, nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, config: QuantConfig, *, name: str = "<linear>") -> "QuantizedLinear":
-        _require_int(config, name)
-        qw = quantize_weight(linear.weight.detach(), config, name=f"{name}.weight")
-        return cls.from_quantized(qw, linear.bias)
+        return cls.from_quantized(_quantize_int(linear.weight, config, name), linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = dequantize_graph(self.weight_qdata, self.weight_scale, self.weight_bias, self.bits, self.group_size, self.in_features)
+        w = self._dequantized(self.in_features)
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, w.to(x.dtype), bias)
 
@@ -153,14 +160,10 @@ class QuantizedEmbedding(_QuantizedWeightMixin, nn.Module):
 
     @classmethod
     def from_embedding(cls, emb: nn.Embedding, config: QuantConfig, *, name: str = "<embedding>") -> "QuantizedEmbedding":
-        _require_int(config, name)
-        qw = quantize_weight(emb.weight.detach(), config, name=f"{name}.weight")
-        return cls.from_quantized(qw, emb.padding_idx)
+        return cls.from_quantized(_quantize_int(emb.weight, config, name), emb.padding_idx)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        w = dequantize_graph(self.weight_qdata[ids], self.weight_scale[ids], self.weight_bias[ids], self.bits,
-                             self.group_size, self.embedding_dim)
-        return w.to(self.weight_dtype)
+        return self._dequantized(self.embedding_dim, ids).to(self.weight_dtype)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, bits={self.bits}, group_size={self.group_size}"

@@ -24,6 +24,16 @@ def split_rows(value: Value, start: int, stop: int) -> Value:
     return value[..., start:stop, :].contiguous()
 
 
+def text_section(hf_config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The text model's part of a config.json: its ``text_config`` where it has one, else all of it."""
+    return hf_config.get("text_config") if isinstance(hf_config.get("text_config"), dict) else hf_config
+
+
+def copied(c: Any, *names: str) -> Dict[str, Any]:
+    """The model config's attributes `names` as config.json entries of the same names, in this order."""
+    return {name: getattr(c, name) for name in names}
+
+
 def special_token_ids(hf_config: Mapping[str, Any], text: Mapping[str, Any]) -> Dict[str, Any]:
     """eos/bos/pad token ids for mlx-lm's config.json: the top-level config's, else its text config's."""
     out = {}

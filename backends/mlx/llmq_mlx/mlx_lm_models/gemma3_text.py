@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, List, Tuple
 
-from llmq_mlx.mlx_lm_models.common import special_token_ids
+from llmq_mlx.mlx_lm_models.common import copied, special_token_ids, text_section
 
 HF_MODEL_TYPES = ("gemma3_text", "gemma3")
 
@@ -35,21 +35,13 @@ def _pattern(layer_types: List[str]) -> int:
 
 def mlx_config(hf_config: dict, c: Any) -> dict:
     """config.json for mlx-lm's `gemma3_text` (without "quantization"; the folder writer adds it)."""
-    text = hf_config.get("text_config") if isinstance(hf_config.get("text_config"), dict) else hf_config
+    text = text_section(hf_config)
     sliding = c.rope_parameters.get("sliding_attention", {})
     full = dict(c.rope_parameters.get("full_attention", {}))
     config = {
         "model_type": "gemma3_text",
-        "vocab_size": c.vocab_size,
-        "hidden_size": c.hidden_size,
-        "intermediate_size": c.intermediate_size,
-        "num_hidden_layers": c.num_hidden_layers,
-        "num_attention_heads": c.num_attention_heads,
-        "num_key_value_heads": c.num_key_value_heads,
-        "head_dim": c.head_dim,
-        "rms_norm_eps": c.rms_norm_eps,
-        "query_pre_attn_scalar": c.query_pre_attn_scalar,
-        "sliding_window": c.sliding_window,
+        **copied(c, "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "head_dim", "rms_norm_eps", "query_pre_attn_scalar", "sliding_window"),
         "sliding_window_pattern": _pattern(list(c.layer_types)),
         "rope_local_base_freq": float(sliding.get("rope_theta", 10_000.0)),
         "rope_theta": float(full.get("rope_theta", 1_000_000.0)),

@@ -23,7 +23,7 @@ from typing import Any, List, Tuple, Union
 import torch
 
 from llmq.quant.formats import GroupQuantizedWeight
-from llmq_mlx.mlx_lm_models.common import special_token_ids, split_rows
+from llmq_mlx.mlx_lm_models.common import copied, special_token_ids, split_rows, text_section
 
 Value = Union[torch.Tensor, GroupQuantizedWeight]
 
@@ -70,7 +70,7 @@ def mlx_config(hf_config: dict, c: Any) -> dict:
     """config.json for mlx-lm's `gemma4_text` (without "quantization"; the folder writer adds it).
 
     `c`: the parsed model config (the model's own reading of hf_config: attributes as the model uses them)."""
-    text = hf_config.get("text_config") if isinstance(hf_config.get("text_config"), dict) else hf_config
+    text = text_section(hf_config)
     global_head_dim, global_kv_heads = _full_attention_geometry(c)
     rope = {}
     for layer_type, params in c.rope_parameters.items():
@@ -81,13 +81,8 @@ def mlx_config(hf_config: dict, c: Any) -> dict:
         rope[layer_type] = params
     config = {
         "model_type": "gemma4_text",
-        "vocab_size": c.vocab_size,
-        "hidden_size": c.hidden_size,
-        "intermediate_size": c.intermediate_size,
-        "num_hidden_layers": c.num_hidden_layers,
-        "num_attention_heads": c.num_attention_heads,
-        "num_key_value_heads": c.num_key_value_heads,
-        "head_dim": c.head_dim,
+        **copied(c, "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "head_dim"),
         "global_head_dim": global_head_dim,
         "num_global_key_value_heads": global_kv_heads,
         "attention_k_eq_v": c.attention_k_eq_v,

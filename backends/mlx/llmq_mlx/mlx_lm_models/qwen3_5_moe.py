@@ -26,7 +26,7 @@ from typing import Any, List, Tuple, Union
 import torch
 
 from llmq.quant.formats import GroupQuantizedWeight
-from llmq_mlx.mlx_lm_models.common import special_token_ids, split_rows
+from llmq_mlx.mlx_lm_models.common import copied, special_token_ids, split_rows, text_section
 
 Value = Union[torch.Tensor, GroupQuantizedWeight]
 
@@ -85,30 +85,18 @@ def mlx_config(hf_config: dict, c: Any) -> dict:
     """config.json for mlx-lm's `qwen3_5_moe` (without "quantization"; the folder writer adds it).
 
     `c`: the parsed model config (the model's own reading of hf_config: attributes as the model uses them)."""
-    text = hf_config.get("text_config") if isinstance(hf_config.get("text_config"), dict) else hf_config
+    text = text_section(hf_config)
     text_config = {
         "model_type": "qwen3_5_moe_text",
-        "vocab_size": c.vocab_size,
-        "hidden_size": c.hidden_size,
-        "num_hidden_layers": c.num_hidden_layers,
-        "num_attention_heads": c.num_attention_heads,
-        "num_key_value_heads": c.num_key_value_heads,
-        "head_dim": c.head_dim,
-        "rms_norm_eps": c.rms_norm_eps,
+        **copied(c, "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                 "head_dim", "rms_norm_eps"),
         "max_position_embeddings": int(text.get("max_position_embeddings", 262144)),
-        "tie_word_embeddings": c.tie_word_embeddings,
-        "attention_bias": c.attention_bias,
-        "linear_conv_kernel_dim": c.linear_conv_kernel_dim,
-        "linear_key_head_dim": c.linear_key_head_dim,
-        "linear_value_head_dim": c.linear_value_head_dim,
-        "linear_num_key_heads": c.linear_num_key_heads,
-        "linear_num_value_heads": c.linear_num_value_heads,
+        **copied(c, "tie_word_embeddings", "attention_bias", "linear_conv_kernel_dim", "linear_key_head_dim",
+                 "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads"),
         "full_attention_interval": full_attention_interval(c.layer_types),
-        "num_experts": c.num_experts,
-        "num_experts_per_tok": c.num_experts_per_tok,
+        **copied(c, "num_experts", "num_experts_per_tok"),
         "decoder_sparse_step": 1,
-        "moe_intermediate_size": c.moe_intermediate_size,
-        "shared_expert_intermediate_size": c.shared_expert_intermediate_size,
+        **copied(c, "moe_intermediate_size", "shared_expert_intermediate_size"),
         "norm_topk_prob": True,
         "rope_parameters": {
             "type": "default", "rope_theta": c.rope_theta, "partial_rotary_factor": c.partial_rotary_factor,

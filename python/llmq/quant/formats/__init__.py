@@ -13,6 +13,7 @@ GroupQuantizedWeight, pack_bits, ...``).
 
 from llmq.quant.formats.base import (
     Format,
+    first_of_alike,
     format_names,
     format_of,
     get_format,
@@ -46,6 +47,7 @@ register_format(GGUFBlockFormat())
 
 __all__ = [
     "Format", "register_format", "unregister_format", "get_format", "format_of", "format_names", "is_quantized", "nbytes_of",
+    "first_of_alike",
     "GroupQuantizedWeight", "SUPPORTED_BITS", "DEQUANT_BLOCK_ELEMENTS", "dequantize_canonical", "pack_bits",
     "unpack_bits", "packed_row_bytes", "validate_layout",
 ]

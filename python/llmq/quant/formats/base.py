@@ -17,11 +17,27 @@ A format describes its weights in three ways:
 from __future__ import annotations
 
 import abc
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
 Layout = Dict[str, Tuple[torch.dtype, Tuple[int, ...]]]
+
+
+def first_of_alike(experts: Sequence[Any], layout: Callable[[Any], Dict[str, Any]]) -> Any:
+    """experts[0], after checking that every expert has its `layout` ({name: value}, e.g. shape
+    and group size): what stacking per-expert weights into one [E, ...] weight (a backend's
+    `stack_experts`) needs. ValueError naming the first expert that differs, or no experts."""
+    if not experts:
+        raise ValueError("stack_experts: no experts given")
+    want = layout(experts[0])
+    for i, e in enumerate(experts):
+        got = layout(e)
+        if got != want:
+            def show(d):
+                return " ".join(f"{k}={v}" for k, v in d.items())
+            raise ValueError(f"stack_experts: expert {i} has {show(got)}; expert 0 has {show(want)}")
+    return experts[0]
 
 
 class Format(abc.ABC):

@@ -39,7 +39,7 @@ from typing import Dict, Iterable, Optional, Sequence, Tuple, Union
 import torch
 
 from llmq.checkpoint.fileio import copy_file, umask_mode, write_error, write_file_atomic
-from llmq.checkpoint.shard_file import StreamingShardFile, header_reserve
+from llmq.checkpoint.shard_file import ShardRotation, StreamingShardFile, hf_shard_names
 from llmq.quant.formats import GroupQuantizedWeight
 
 from .affine import MLXQuantizedWeight, pack_mlx_affine
@@ -81,10 +81,9 @@ class _ShardWriter:
     """Writes each tensor into the open shard as it arrives (llmq.checkpoint.shard_file: one
     tensor in memory at a time) and starts a new shard whenever the next one would overflow."""
 
-    def __init__(self, folder: Path, max_shard_bytes: int):
+    def __init__(self, folder: Path, rotation: ShardRotation):
         self.folder = folder
-        self.max_shard_bytes = max_shard_bytes
-        self.reserve = header_reserve(max_shard_bytes)
+        self.rotation = rotation
         self.open: Optional[StreamingShardFile] = None
         self.shard_files = []  # temporary names, in order
         self.weight_map: Dict[str, int] = {}  # tensor name -> shard index
@@ -93,11 +92,11 @@ class _ShardWriter:
     def add(self, name: str, t: torch.Tensor) -> None:
         if name in self.weight_map:
             raise ValueError(f"tensor {name!r} written twice")
-        if self.open is not None and not self.open.fits(name, t, self.max_shard_bytes):
+        if self.rotation.must_rotate(self.open, name, t):
             self.flush()
         if self.open is None:
             self.open = StreamingShardFile(str(self.folder / f"shard-{len(self.shard_files):05d}.partial"),
-                                           self.reserve, {"format": "mlx"})
+                                           self.rotation.reserve, {"format": "mlx"})
         self.open.add(name, t)
         self.weight_map[name] = len(self.shard_files)
         self.total_bytes += t.numel() * t.element_size()
@@ -115,7 +114,7 @@ class _ShardWriter:
         n = len(self.shard_files)
         if n == 0:
             raise ValueError("no tensors were written")
-        names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        names = hf_shard_names(n)
         for tmp, final in zip(self.shard_files, names):
             os.replace(tmp, self.folder / final)
         if n > 1:
@@ -148,8 +147,7 @@ def write_mlx_lm_folder(
         raise FileExistsError(f"{out} already exists (pass overwrite=True to replace it)")
     if not isinstance(config, dict) or "model_type" not in config:
         raise ValueError("config must be a dict with a 'model_type' mlx-lm knows (e.g. 'llama', 'qwen3_moe')")
-    if max_shard_bytes <= 0:
-        raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+    rotation = ShardRotation(max_shard_bytes)
     tokenizer_files = [Path(p) for p in tokenizer_files]
     for p in tokenizer_files:
         if not p.is_file():
@@ -162,7 +160,7 @@ def write_mlx_lm_folder(
     except OSError as e:
         raise write_error(e, str(out.parent), "creating a folder") from None
     try:
-        shards = _ShardWriter(tmp, max_shard_bytes)
+        shards = _ShardWriter(tmp, rotation)
         params: Dict[str, Dict[str, object]] = {}
         kept = []
         for name, value in tensors:
