@@ -3,7 +3,7 @@
 Tensors are read with ``llmq.checkpoint.iter_checkpoint`` (validated headers, errors naming file
 and tensor) and renamed by the model's key map; the model then merges per-expert tensors
 (``merge``), the names and shapes are checked against the model, and the tensors are assigned.
-Everything architecture-specific lives in the model's spec (``models/<m>/pipeline.py``'s
+Everything architecture-specific lives in the model's spec (``models/<m>/spec.py``'s
 ``ARCHITECTURE``): its config reader, module builder, key map and expert merge; ``load_model`` is
 the one loader every model uses.
 """

@@ -46,7 +46,7 @@ def assert_logits_match(name: str, expected: Sequence[torch.Tensor], actual: Seq
 
 
 # The test bodies every model's model_test / keymap_test / param_count_test shares, driven by the model's
-# spec (models/<m>/pipeline.py's ARCHITECTURE) and a transformers model saved to `folder`.
+# spec (models/<m>/spec.py's ARCHITECTURE) and a transformers model saved to `folder`.
 
 def check_prefill_and_decode(spec, folder, hf, vocab: int, rel_tol: float = FP32_REL_TOL, prompt_len: int = 11, steps: int = 8):
     """Prefill a random [2, prompt_len] prompt, then `steps` greedy decode steps: logits within rel_tol."""
