@@ -9,6 +9,7 @@
 #include <string>
 
 #include "fp_quant.h"
+#include "gguf_blocks.h"
 #include "hqq_quant.h"
 #include "int4_tiles.h"
 #include "quant_kernel.h"
@@ -213,6 +214,19 @@ void run_pack_int4_mma_tiles(uintptr_t src, int64_t batch, int64_t n, int64_t kb
                       reinterpret_cast<int32_t*>(dst), threads, simd);
 }
 
+// GGUF blocks of type `type_name` (n_blocks * block_bytes bytes at `blocks`) -> canonical
+// qdata / scale / bias at the given addresses (gguf_blocks.h gives their sizes).
+void run_gguf_decode(const std::string& type_name, uintptr_t blocks, int64_t n_blocks, uintptr_t qdata,
+                     uintptr_t scale, uintptr_t bias, int threads) {
+  GgufBlockType type;
+  if (!parse_gguf_block_type(type_name, &type))
+    throw std::invalid_argument("GGUF block type '" + type_name + "' has no compiled decoder");
+  if (n_blocks < 0) throw std::invalid_argument("n_blocks must be >= 0");
+  py::gil_scoped_release release;
+  decode_gguf_blocks(type, reinterpret_cast<const uint8_t*>(blocks), n_blocks, reinterpret_cast<uint8_t*>(qdata),
+                     reinterpret_cast<float*>(scale), reinterpret_cast<float*>(bias), threads);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_quant_kernel, m) {
@@ -252,4 +266,7 @@ PYBIND11_MODULE(_quant_kernel, m) {
   m.def("pack_int4_mma_tiles", &run_pack_int4_mma_tiles, py::arg("src"), py::arg("batch"), py::arg("n"),
         py::arg("kbytes"), py::arg("inner_k_tiles"), py::arg("dst"), py::arg("threads") = 0, py::arg("simd") = true,
         "Canonical 4-bit rows -> m16n8k16 B-fragment int32 tiles (int4_tiles.h).");
+  m.def("gguf_decode", &run_gguf_decode, py::arg("type_name"), py::arg("blocks"), py::arg("n_blocks"),
+        py::arg("qdata"), py::arg("scale"), py::arg("bias"), py::arg("threads") = 0,
+        "GGUF quantized blocks -> canonical codes, float32 scale and bias (gguf_blocks.h).");
 }

@@ -232,6 +232,7 @@ class _Worker:
         self._limit = limit_bytes
         self._jobs: deque = deque()
         self._pending = 0
+        self._submitted = self._finished = 0  # jobs submitted / run (or dropped), in order
         self._running = False
         self._cv = threading.Condition()
         self._stopping = False
@@ -241,13 +242,20 @@ class _Worker:
 
     def submit(self, job: Callable[[], None], nbytes: int = 0) -> None:
         with self._cv:
-            # A job larger than the whole limit still goes in, once the queue is empty.
+            # A job larger than the whole limit still goes in, once the queue is empty, and
+            # submit returns when it has run: its bytes are never queued behind the caller.
             while self._pending and self._pending + nbytes > self._limit and self.error is None:
                 self._cv.wait()
             self.check()
             self._jobs.append((job, nbytes))
             self._pending += nbytes
+            self._submitted += 1
+            ticket = self._submitted
             self._cv.notify_all()
+            if nbytes > self._limit:
+                while self._finished < ticket and self.error is None:
+                    self._cv.wait()
+                self.check()
 
     def idle(self) -> bool:
         with self._cv:
@@ -283,6 +291,7 @@ class _Worker:
                 job = None  # drop the tensor references before waking the producer
                 with self._cv:
                     self._pending -= nbytes
+                    self._finished += 1
                     self._running = False
                     self._cv.notify_all()
 
@@ -739,7 +748,8 @@ def save_bundle(stream: Iterable[Tuple[str, Union[Value, Callable[[], Value]]]],
 
     Peak memory is the tensor in flight plus at most ``write_queue_bytes`` of tensors
     queued for the background writer (and a 16 MiB hashing buffer), not the shard or
-    the model. A tensor larger than max_shard_bytes gets a shard of its own.
+    the model; an item larger than ``write_queue_bytes`` is written before ``add`` returns,
+    so it is never queued while the stream reads the next one. A tensor larger than max_shard_bytes gets a shard of its own.
     """
     writer = BundleWriter(out_dir, recipe=recipe, metadata=metadata, max_shard_bytes=max_shard_bytes,
                           resume=resume, overwrite=overwrite, fsync=fsync, write_queue_bytes=write_queue_bytes,
@@ -747,6 +757,7 @@ def save_bundle(stream: Iterable[Tuple[str, Union[Value, Callable[[], Value]]]],
     try:
         for fqn, value in stream:
             writer.add(fqn, value)
+            del value  # not held while the stream reads the next one
     except BaseException:
         writer.abort()
         raise

@@ -418,6 +418,25 @@ def test_writer_queue_holds_at_most_its_byte_limit():
     assert max(pending_seen[:5] + pending_seen[6:]) <= 100 and pending_seen[5] == 250
 
 
+def test_a_job_over_the_limit_has_run_when_submit_returns():
+    import threading
+    import time
+
+    from llmq.checkpoint.bundle import _Worker
+
+    worker = _Worker("test", limit_bytes=100)
+    done, gate = [], threading.Event()
+    worker.submit(lambda: gate.wait(5) and done.append("small"), 50)  # queued, held by the gate
+    threading.Timer(0.2, gate.set).start()
+    t0 = time.perf_counter()
+    worker.submit(lambda: (time.sleep(0.1), done.append("big")), 150)
+    assert done == ["small", "big"] and time.perf_counter() - t0 >= 0.25  # waited for both
+    worker.submit(lambda: (time.sleep(0.2), done.append("queued")), 50)
+    assert done == ["small", "big"]  # within the limit: queued, submit returned at once
+    worker.join()
+    assert done == ["small", "big", "queued"]
+
+
 def test_writer_cannot_be_used_after_close_and_queue_size_is_checked(tmp_path):
     w = BundleWriter(tmp_path / "b", fsync=False)
     w.add("x", torch.ones(3))

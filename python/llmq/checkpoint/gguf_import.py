@@ -1,8 +1,9 @@
 """Read GGUF files and turn their quantized blocks into the canonical form, exactly.
 
 ``gguf_header`` parses and validates the header (metadata, tensor names, types, dims,
-offsets; gguf-py's reader is not used); the
-tensor bytes are then read with one positioned read per tensor, and each supported
+offsets; gguf-py's reader is not used); a plain tensor's bytes are then read with one
+positioned read, a quantized tensor's in block-aligned chunks of ``CHUNK_BYTES`` into a
+reused per-thread buffer (its memory is the result plus one chunk), and each supported
 block type is rearranged -- never dequantized and requantized -- into a
 ``GroupQuantizedWeight`` (unsigned q, LSB-first, float32 scale and additive bias):
 
@@ -25,7 +26,9 @@ float32 (an 11-bit significand times an integer of at most 8 bits), and
 arithmetic bit for bit (the sign of an exact zero aside: gguf-py's ``d*(q-8)``
 can give -0.0 where the additive form gives +0.0). F32, F16, BF16 and the plain
 integer types come back as ordinary tensors. Block layouts are from ggml's
-``ggml-common.h`` / gguf-py's ``quants.py``.
+``ggml-common.h`` / gguf-py's ``quants.py``. The rearrangement runs in the compiled,
+multi-threaded decoder (cpp/quant/gguf_blocks.h) when the quantization kernel is loaded,
+else in its numpy reference (llmq.quant.formats.gguf_blocks); both give the same bytes.
 
 Shapes: GGUF lists dims innermost first (ne[0] = K); tensors come back in torch
 order ``[..., N, K]``, so a stacked MoE tensor ``ne = [K, N, E]`` becomes ``[E, N, K]``.
@@ -36,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import threading
 from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
@@ -46,11 +50,15 @@ from llmq.checkpoint.errors import (
     UnsupportedCheckpointError,
 )
 from llmq.checkpoint.gguf_header import GGUFHeader, parse_header_cached
-from llmq.checkpoint.safetensors_io import OpenReadOnly, alloc_bytes, pread_exact
+from llmq.checkpoint.safetensors_io import _HUGE_PAGE_MIN_BYTES, OpenReadOnly, alloc_bytes, pread_exact
 from llmq.quant.formats import GroupQuantizedWeight, get_format
-from llmq.quant.formats.gguf_blocks import BLOCK_TYPES
+from llmq.quant.formats.gguf_blocks import BLOCK_TYPES, decode_into
 
 Value = Union[torch.Tensor, GroupQuantizedWeight]
+
+# Quantized tensors are read and decoded in chunks of about this many bytes of blocks, so a
+# tensor's memory is its canonical result plus one chunk, never its whole raw bytes as well.
+CHUNK_BYTES = 4 << 20
 
 _PLAIN = {  # GGML type name -> torch dtype
     "F32": torch.float32,
@@ -71,6 +79,18 @@ GGML_TYPES = {
     27: "I64", 28: "F64", 29: "IQ1_M", 30: "BF16", 34: "TQ1_0", 35: "TQ2_0", 39: "MXFP4", 40: "NVFP4",
     41: "Q1_0",
 }
+
+
+_local = threading.local()
+
+
+def _chunk_buffer(nbytes: int) -> torch.Tensor:
+    """This thread's reused chunk buffer of at least nbytes (a fresh one per tensor would pay
+    its page faults every time)."""
+    buf = getattr(_local, "chunk", None)
+    if buf is None or buf.numel() < nbytes:
+        buf = _local.chunk = alloc_bytes(max(nbytes, _HUGE_PAGE_MIN_BYTES))
+    return buf
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,8 +179,33 @@ class GGUFFile(OpenReadOnly):
             pread_exact(self._fd, memoryview(raw.numpy()), info.start, path=self.path, tensor=info.name)
         return raw
 
+    def _read_blocks(self, info: GGUFTensorInfo, dtype: torch.dtype) -> GroupQuantizedWeight:
+        """A quantized tensor read in block-aligned chunks of CHUNK_BYTES, each decoded into its slice of
+        the result (gguf_blocks.decode_into: the compiled decoder when loaded, else the numpy reference)."""
+        block, block_bytes, bits, group = BLOCK_TYPES[info.type_name]
+        *lead, k = info.shape if len(info.shape) >= 2 else (1, *info.shape)
+        n_blocks = info.nbytes // block_bytes
+        qbytes, groups = block * bits // 8, block // group
+        qdata = alloc_bytes(n_blocks * qbytes)
+        scale = alloc_bytes(n_blocks * groups * 4).view(torch.float32)
+        bias = alloc_bytes(n_blocks * groups * 4).view(torch.float32)
+        per = max(1, CHUNK_BYTES // block_bytes)
+        buf = _chunk_buffer(per * block_bytes)
+        for b0 in range(0, n_blocks, per):
+            nb = min(per, n_blocks - b0)
+            chunk = buf[:nb * block_bytes]
+            pread_exact(self._fd, memoryview(chunk.numpy()), info.start + b0 * block_bytes, path=self.path,
+                        tensor=info.name)
+            decode_into(info.type_name, chunk, qdata[b0 * qbytes:(b0 + nb) * qbytes],
+                        scale[b0 * groups:(b0 + nb) * groups], bias[b0 * groups:(b0 + nb) * groups])
+        return GroupQuantizedWeight(qdata=qdata.view(*lead, k * bits // 8), scale=scale.view(*lead, k // group),
+                                    bias=bias.view(*lead, k // group), bits=bits, group_size=group,
+                                    shape=tuple(info.shape), dtype=dtype)
+
     def read(self, info: GGUFTensorInfo, *, dtype: torch.dtype = torch.float32) -> Value:
         try:
+            if info.type_name in BLOCK_TYPES:
+                return self._read_blocks(info, dtype)
             return to_canonical(info.type_name, self.read_raw(info), info.shape, dtype=dtype)
         except ValueError as e:
             if isinstance(e, UnsupportedCheckpointError) and e.path:

@@ -239,3 +239,46 @@ def test_dequantization_peak_memory_is_the_output_plus_one_block(tmp_path):
                                 text=True).stdout)
     output = 4096 * 4096 * 4
     assert growth < output + (64 << 20), f"peak RSS grew by {growth / 2 ** 20:.0f} MiB"
+
+
+# ---- quantized tensors are read in chunks; truncated block data names the tensor ----------------------
+
+@pytest.mark.parametrize("native", ["on", "off"])
+def test_chunked_read_equals_whole_tensor_decode(gguf_file, monkeypatch, native):
+    import llmq.checkpoint.gguf_import as gi
+    from llmq.quant import _native
+    from llmq.quant.formats.gguf_blocks import decode
+
+    path, raws, _ = gguf_file
+    if native == "off":
+        monkeypatch.setattr(_native, "gguf_decode_available", lambda: False)
+    monkeypatch.setattr(gi, "CHUNK_BYTES", 1000)  # a few blocks per chunk, cutting rows
+    with GGUFFile(path) as f:
+        for info in f.tensors:
+            if info.type_name not in ("Q5_0", "Q4_K", "Q6_K"):
+                continue
+            got = f.read(info)
+            _, raw, shape = raws[info.name]
+            ref = decode(info.type_name, torch.from_numpy(raw), shape, native=False)
+            assert torch.equal(got.qdata, ref.qdata)
+            assert torch.equal(got.scale.view(torch.int32), ref.scale.view(torch.int32))
+            assert torch.equal(got.bias.view(torch.int32), ref.bias.view(torch.int32))
+
+
+def test_truncated_block_data_is_one_error_line_naming_the_tensor(tmp_path):
+    from llmq.checkpoint import CorruptCheckpointError
+
+    path = tmp_path / "cut.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tensor("blk.0.attn_q.weight", random_blocks("Q6_K", (4, 512), np.random.default_rng(1)),
+                 raw_dtype=T.Q6_K)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    data = path.read_bytes()
+    path.write_bytes(data[:-100])
+    with pytest.raises(CorruptCheckpointError) as e:
+        list(iter_checkpoint(path))
+    msg = str(e.value)
+    assert "blk.0.attn_q.weight" in msg and "cut.gguf" in msg and "truncated" in msg and "\n" not in msg

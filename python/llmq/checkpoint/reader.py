@@ -32,6 +32,7 @@ KeyMap = Union[Mapping[str, Optional[str]], Callable[[str], Optional[str]], None
 Convert = Optional[Callable[[str, Value], Optional[Value]]]
 
 NONFINITE_POLICIES = ("error", "warn", "allow")
+DEFAULT_READ_AHEAD_MIN_BYTES = 64 << 20  # iter_checkpoint read_ahead_bytes=None: max(this, 5% of the input)
 # Only real-valued high-precision floats are cast by dtype=; float8 weights carry
 # separate scales, and casting them alone would silently change their meaning.
 _CASTABLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -172,14 +173,21 @@ class _ReadAhead:
     Reading (``preadv``) and the NaN/Inf check release the GIL, so they overlap whatever
     the consumer does with the previous tensor (quantizing, writing). A slot is taken
     before each read and given back when the consumer takes the tensor, so at most
-    ``depth`` tensors exist beyond the one the consumer holds. A read error is delivered
-    in order, when the consumer reaches that tensor.
+    ``depth`` tensors exist beyond the one the consumer holds. A tensor whose stored bytes
+    plus those of the tensor before it exceed ``pair_bytes`` is not read ahead: the thread
+    waits until the consumer asks for it (so two large tensors, e.g. an embedding next to
+    lm_head, are not in memory at once). A read error is delivered in order, when the
+    consumer reaches that tensor.
     """
 
     _END = object()
 
-    def __init__(self, renames: List[Tuple[str, str]], read: Callable[[str, str], Any], depth: int):
+    def __init__(self, renames: List[Tuple[str, str]], read: Callable[[str, str], Any], depth: int,
+                 sizes: Optional[List[Optional[int]]] = None, pair_bytes: Optional[int] = None):
         self._renames, self._read = renames, read
+        self._sizes = [s or 0 for s in sizes] if sizes else [0] * len(renames)
+        self._pair_bytes = pair_bytes
+        self._asked = 0  # items the consumer has asked for
         self._slots = threading.Semaphore(depth)
         self._ready: deque = deque()
         self._cv = threading.Condition()
@@ -189,10 +197,17 @@ class _ReadAhead:
 
     def _run(self) -> None:
         try:
-            for name, out in self._renames:
+            for i, (name, out) in enumerate(self._renames):
                 self._slots.acquire()
                 if self._stop:
                     return
+                if (i and self._pair_bytes is not None
+                        and self._sizes[i - 1] + self._sizes[i] > self._pair_bytes):
+                    with self._cv:
+                        while self._asked <= i and not self._stop:
+                            self._cv.wait()
+                    if self._stop:
+                        return
                 try:
                     item = (name, out, self._read(name, out), None)
                 except BaseException as e:  # handed to the consumer at this position
@@ -200,7 +215,9 @@ class _ReadAhead:
                 with self._cv:
                     self._ready.append(item)
                     self._cv.notify()
-                if item[3] is not None:
+                failed = item[3] is not None
+                del item  # the consumer owns it now: not held while the next one is read
+                if failed:
                     return
         finally:
             with self._cv:
@@ -210,6 +227,8 @@ class _ReadAhead:
     def __iter__(self):
         while True:
             with self._cv:
+                self._asked += 1
+                self._cv.notify_all()
                 while not self._ready:
                     self._cv.wait()
                 item = self._ready.popleft()
@@ -219,17 +238,22 @@ class _ReadAhead:
             name, out, value, error = item
             if error is not None:
                 raise error
+            del item
             yield name, out, value
+            del value  # not held while the next one is asked for and read
 
     def stop(self) -> None:
         self._stop = True
         self._slots.release()  # wake the thread if it waits for a slot
+        with self._cv:
+            self._cv.notify_all()  # or for the consumer to ask
         self._thread.join()
 
 
 def iter_checkpoint(path: os.PathLike, *, key_map: KeyMap = None, convert: Convert = None,
                     dtype: Optional[torch.dtype] = None, tied: Optional[Mapping[str, str]] = None,
-                    nonfinite: str = "error", read_ahead: int = 1) -> Iterator[Tuple[str, Value]]:
+                    nonfinite: str = "error", read_ahead: int = 1,
+                    read_ahead_bytes: Optional[int] = None) -> Iterator[Tuple[str, Value]]:
     """Yield ``(fqn, tensor)`` one at a time from a safetensors file, an HF folder or a GGUF file.
 
     key_map: a mapping (names not in it pass through; a None value drops the tensor)
@@ -246,6 +270,10 @@ def iter_checkpoint(path: os.PathLike, *, key_map: KeyMap = None, convert: Conve
     read_ahead: how many tensors to read (and check) on a background thread ahead of
         the one being yielded; 0 reads in the caller's thread. Each costs one tensor of
         memory; 1 (default) lets reading overlap the caller's work on this tensor.
+    read_ahead_bytes: a tensor is read ahead only while its stored bytes plus those of
+        the tensor before it (the one the caller holds) are at most this; a larger pair
+        is read in turn, when the caller asks. None (default): 5% of the checkpoint's
+        bytes, at least 64 MiB, so read-ahead memory stays a small fraction of the input.
 
     Every problem with the input raises a CheckpointError naming the file and tensor.
     """
@@ -260,7 +288,13 @@ def iter_checkpoint(path: os.PathLike, *, key_map: KeyMap = None, convert: Conve
         value = plan.source.read(name, dtype=dtype)
         return value, find_nonfinite(out, value, nonfinite)
 
-    ahead = _ReadAhead(plan.renames, read, read_ahead) if read_ahead else None
+    if read_ahead:
+        sizes = [plan.source.nbytes(name) for name, _ in plan.renames]
+        if read_ahead_bytes is None:
+            read_ahead_bytes = max(DEFAULT_READ_AHEAD_MIN_BYTES, sum(s or 0 for s in sizes) // 20)
+        ahead = _ReadAhead(plan.renames, read, read_ahead, sizes, read_ahead_bytes)
+    else:
+        ahead = None
     items = iter(ahead) if ahead else ((name, out, read(name, out)) for name, out in plan.renames)
     try:
         for name, out, (value, nonfinite_parts) in items:

@@ -7,6 +7,7 @@ corrupted by hand, so the reader is checked against the format, not against itse
 import json
 import os
 import struct
+import time
 
 import pytest
 import torch
@@ -500,6 +501,27 @@ def test_read_ahead_holds_at_most_its_depth(tmp_path, monkeypatch):
     assert len(rest) == 4 and len(calls) == 5
     with pytest.raises(ValueError, match="read_ahead"):
         next(iter_checkpoint(tmp_path / "m.safetensors", read_ahead=-1))
+
+
+def test_a_large_pair_is_not_read_ahead(tmp_path, monkeypatch):
+    from llmq.checkpoint import safetensors_io
+
+    # file order: a (4 KiB), b (64 KiB), c (64 KiB), d (4 KiB)
+    ts = {"a": torch.ones(1024), "b": torch.ones(16384), "c": torch.ones(16384), "d": torch.ones(1024)}
+    save_file(ts, tmp_path / "m.safetensors")
+    events = []
+    real_read = safetensors_io.SafetensorsFile.read
+    monkeypatch.setattr(safetensors_io.SafetensorsFile, "read",
+                        lambda self, name: events.append(f"read {name}") or real_read(self, name))
+    for name, _ in iter_checkpoint(tmp_path / "m.safetensors", read_ahead=1, read_ahead_bytes=80 << 10):
+        time.sleep(0.05)  # time for the read-ahead thread to run ahead where it may
+        events.append(f"got {name}")
+    # b after a (68 KiB) and d after c are read ahead; c after b (128 KiB) waits for b to be done
+    assert events.index("read b") < events.index("got a")
+    assert events.index("got b") < events.index("read c")
+    assert events.index("read d") < events.index("got c")
+    default = list(iter_checkpoint(tmp_path / "m.safetensors"))  # default budget: 64 MiB, all read ahead
+    assert [n for n, _ in default] == ["a", "b", "c", "d"]
 
 
 # ---- strictness: the reference reader (safetensors.safe_open) decides what is a valid header ----------

@@ -59,6 +59,10 @@ class Source:
         """The stored shape of `name` from the header alone (None where that needs a read)."""
         return None
 
+    def nbytes(self, name: str) -> Optional[int]:
+        """The stored bytes of `name` from the header alone (None where that needs a read)."""
+        return None
+
     def close(self) -> None:
         pass
 
@@ -76,6 +80,9 @@ class SafetensorsSource(Source):
 
     def shape(self, name: str) -> Tuple[int, ...]:
         return tuple(self._owner[name].entries[name].shape)
+
+    def nbytes(self, name: str) -> int:
+        return self._owner[name].entries[name].nbytes
 
     def close(self) -> None:
         for f in self._files:
@@ -100,6 +107,9 @@ class GGUFSource(Source):
 
     def shape(self, name: str) -> Tuple[int, ...]:
         return tuple(self._infos[name].shape)
+
+    def nbytes(self, name: str) -> int:
+        return self._infos[name].nbytes
 
     def close(self) -> None:
         self._file.close()

@@ -265,6 +265,7 @@ def write_hf_quantized_checkpoint(
                 raise ValueError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
             summary.input_bytes += tensor.numel() * tensor.element_size()
             exporter.feed(name, tensor)
+            del tensor  # not held while the next one is read
         exporter.finish()
         if not exporter.specs:
             raise ValueError("the recipe quantized no weight; nothing to export")

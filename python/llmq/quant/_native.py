@@ -218,6 +218,35 @@ def pack_int4_mma_tiles(qdata: torch.Tensor, inner_k_tiles: int, *, threads: Opt
     return out
 
 
+def gguf_decode_available() -> bool:
+    """Whether the loaded kernel has the GGUF block decoder (an older .so picked by LLMQ_QUANT_KERNEL may not)."""
+    m = _load()
+    return m is not None and hasattr(m, "gguf_decode")
+
+
+def gguf_decode(type_name: str, blocks: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor,
+                *, threads: Optional[int] = None) -> None:
+    """Whole GGUF blocks (contiguous CPU uint8, n_blocks * block_bytes) -> the canonical codes, scales and
+    biases written into qdata (uint8, n_blocks*block*bits/8), scale and bias (float32, n_blocks*block/group
+    each), all contiguous CPU tensors (cpp/quant/gguf_blocks.h). The caller (formats.gguf_blocks) has
+    checked the type and the sizes."""
+    m = _load()
+    if m is None or not hasattr(m, "gguf_decode"):
+        raise RuntimeError(f"the quantization kernel has no gguf_decode: {_error or 'an older build'}")
+    for t, dtype in ((blocks, torch.uint8), (qdata, torch.uint8), (scale, torch.float32), (bias, torch.float32)):
+        if t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError(f"gguf_decode needs contiguous CPU {dtype} buffers, got {t.dtype} on {t.device}")
+    from llmq.quant.formats.gguf_blocks import BLOCK_TYPES
+
+    block, block_bytes, bits, group = BLOCK_TYPES[type_name]
+    n_blocks = blocks.numel() // block_bytes
+    if (blocks.numel() % block_bytes or qdata.numel() != n_blocks * block * bits // 8
+            or scale.numel() != n_blocks * block // group or bias.numel() != scale.numel()):
+        raise ValueError(f"gguf_decode: {blocks.numel()} bytes of {type_name} blocks do not match the outputs")
+    m.gguf_decode(type_name, blocks.data_ptr(), n_blocks, qdata.data_ptr(), scale.data_ptr(), bias.data_ptr(),
+                  (_threads or torch.get_num_threads()) if threads is None else threads)
+
+
 def count_nonfinite(t: torch.Tensor) -> Optional[Tuple[int, int]]:
     """(NaN count, Inf count) of a contiguous CPU float32/bfloat16/float16 tensor from its bit
     patterns on the calling thread, or None when the kernel is not loaded or the tensor is

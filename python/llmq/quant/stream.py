@@ -57,5 +57,7 @@ def quantize_stream(items: Iterable[StreamItem], recipe: QuantRecipe, *, weight_
                     inputs = calibration.inputs_of(module) if calibration is not None else None
                     report.add(fqn, tensor, quantized, config, inputs=inputs)
                 yield fqn, quantized
+                del tensor, quantized  # neither is held while the next item is read
                 continue
         yield fqn, tensor
+        del tensor

@@ -3,14 +3,16 @@
 Import only: a block type is never a recipe's target. Each registered name is a GGML type name
 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K); the tensor a GGUF file stores for one weight
 is its raw blocks (``layout``), and ``rebuild`` / ``decode`` turn them -- never dequantized and
-requantized -- into a GroupQuantizedWeight (unsigned q, LSB-first, float32 scale, additive bias).
+requantized -- into a GroupQuantizedWeight (unsigned q, LSB-first, float32 scale, additive bias). The numpy
+code here is the reference; the compiled decoder (cpp/quant/gguf_blocks.h, through
+llmq.quant._native) gives the same bytes, multi-threaded, and is used whenever it is loaded.
 The scale/bias table and the value-exactness argument are in llmq/checkpoint/gguf_import.py's
 docstring; block layouts are from ggml's ``ggml-common.h`` / gguf-py's ``quants.py``.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
 import torch
@@ -176,14 +178,76 @@ def _decode_blocks(type_name: str, blocks: np.ndarray) -> Tuple[np.ndarray, np.n
     raise AssertionError(type_name)
 
 
+def _native_decoder():
+    """llmq.quant._native when the compiled decoder (cpp/quant/gguf_blocks.h) is loaded, else None."""
+    from llmq.quant import _native
+
+    return _native if _native.gguf_decode_available() else None
+
+
+def expected_nbytes(type_name: str, shape: Tuple[int, ...]) -> int:
+    """Bytes of blocks a tensor of logical shape [..., N, K] takes."""
+    block, block_bytes, _, _ = BLOCK_TYPES[type_name]
+    k = shape[-1]
+    if k % block:
+        raise ValueError(f"{type_name} needs the innermost dim to be a multiple of {block}, got {k}")
+    return int(np.prod(shape)) // block * block_bytes
+
+
+def decode_reference_flat(type_name: str, blocks: np.ndarray) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The Python reference on whole blocks uint8 [nb, bytes_per_block] -> flat (qdata uint8, scale, bias float32).
+
+    Every block's packed codes are whole bytes and its groups consecutive, so the flat result of a run of
+    blocks is the same bytes whatever rows they belong to (what lets a tensor be decoded in chunks)."""
+    block, _, bits, _ = BLOCK_TYPES[type_name]
+    with np.errstate(all="ignore"):
+        q, scale, bias = _decode_blocks(type_name, blocks)
+    if type_name not in _PACKED_BY_DECODER:
+        q = q.view(np.uint8).reshape(-1, block)
+        q = q if bits == 8 else swar_pack(q, bits)
+    return q.reshape(-1), scale.reshape(-1), bias.reshape(-1)
+
+
+def decode_into(type_name: str, raw: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, *,
+                native: Optional[bool] = None) -> None:
+    """Whole blocks (flat contiguous uint8) -> canonical codes / scales / biases written into the flat
+    contiguous ``qdata`` (uint8), ``scale`` and ``bias`` (float32) of matching sizes. ``native``: None uses
+    the compiled decoder when it is loaded, True requires it, False runs the Python reference."""
+    block, block_bytes, bits, group = BLOCK_TYPES[type_name]
+    if raw.numel() % block_bytes:
+        raise ValueError(f"{type_name} block data of {raw.numel()} bytes is not a whole number of "
+                         f"{block_bytes}-byte blocks (truncated?)")
+    kernel = _native_decoder() if native is not False else None
+    if native and kernel is None:
+        raise RuntimeError("the compiled GGUF block decoder is not available (build //cpp/quant:_quant_kernel.so)")
+    if kernel is not None:
+        kernel.gguf_decode(type_name, raw, qdata, scale, bias)
+        return
+    q, s, b = decode_reference_flat(type_name, raw.numpy().reshape(-1, block_bytes))
+    qdata.numpy()[:] = q
+    scale.numpy()[:] = s
+    bias.numpy()[:] = b
+
+
 def decode(type_name: str, raw: torch.Tensor, shape: Tuple[int, ...], *,
-           dtype: torch.dtype = torch.float32) -> GroupQuantizedWeight:
+           dtype: torch.dtype = torch.float32, native: Optional[bool] = None) -> GroupQuantizedWeight:
     """One GGUF tensor's raw blocks (uint8, any shape) -> GroupQuantizedWeight of logical torch-order
-    ``shape`` [..., N, K]; ``dtype`` is recorded as the dtype it dequantizes to."""
+    ``shape`` [..., N, K]; ``dtype`` is recorded as the dtype it dequantizes to. ``native``: None uses the
+    compiled decoder when it is loaded, True requires it, False runs the Python reference (whole tensor)."""
     raw = raw.reshape(-1)
     block, block_bytes, bits, group = BLOCK_TYPES[type_name]
     k = shape[-1]
     lead = tuple(shape[:-1]) if len(shape) >= 2 else (1,)
+    need = expected_nbytes(type_name, tuple(shape))
+    if raw.numel() != need:
+        raise ValueError(f"{type_name} {list(shape)} needs {need} bytes of blocks, got {raw.numel()} (truncated?)")
+    if native is not False and (native or _native_decoder() is not None):
+        qdata = torch.empty(*lead, k * bits // 8, dtype=torch.uint8)
+        scale = torch.empty(*lead, k // group, dtype=torch.float32)
+        bias = torch.empty(*lead, k // group, dtype=torch.float32)
+        decode_into(type_name, raw.contiguous(), qdata.view(-1), scale.view(-1), bias.view(-1), native=True)
+        return GroupQuantizedWeight(qdata=qdata, scale=scale, bias=bias, bits=bits, group_size=group,
+                                    shape=tuple(shape), dtype=dtype)
     with np.errstate(all="ignore"):  # NaN/Inf scales from a hostile file are caught by the nonfinite check
         q, scale, bias = _decode_blocks(type_name, raw.numpy().reshape(-1, block_bytes))
     if type_name in _PACKED_BY_DECODER:
