@@ -15,6 +15,7 @@ model_test.py (parity with transformers) and keymap_test.py. The macro declares:
   :model_test, :keymap_test, and one llmq_py_test per name in `tests` (<name>.py)
 """
 
+load("//cpp/moe:executorch_kernel.bzl", "executorch_kernel_data")
 load("//tools:pytest.bzl", "llmq_py_test")
 
 def llmq_tool(name, deps, srcs = None, binary_deps = []):
@@ -96,8 +97,11 @@ def llmq_model(
         native.py_binary(
             name = "export_pte",
             srcs = ["export_pte.py"],
+            # a model exporting through llmq.ops (the MoE op) runs it in the .pte through its ExecuTorch kernel,
+            # built where executorch is installed (cpp/moe/executorch_kernel.bzl)
+            data = executorch_kernel_data("//cpp/moe:_moe_executorch_kernel.so") if "//python/llmq/ops" in export_deps else [],
             python_version = "PY3",
-            deps = [":export_lib", "//models/pipeline"],
+            deps = [":export_lib", "//models/pipeline"] + export_deps,
         )
     if param_count:
         llmq_tool(name = "param_count", deps = [":model"])

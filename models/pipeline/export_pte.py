@@ -10,9 +10,12 @@ Before export every llmq-quantized linear becomes an nn.Linear whose weight is t
 IntxUnpackedToInt8Tensor in the form Int8DynamicActivationIntxWeightConfig produces (8da4w /
 8da8w): the bundle's codes, scales and zero points carried over exactly (llmq.quant.to_torchao,
 never requantized), activations quantized to int8 per token at run time. XNNPACK runs those
-linears on its integer kernels. Routed experts become one such linear per expert and run as a
-dense loop over all experts weighted by the routing (zero weight where not routed): correct,
-but every expert's GEMM runs for every token (see docs/executorch.md for why not the MoE op).
+linears on its integer kernels. Routed experts (Qwen3.5-MoE) run through llmq's quantized_moe_ffn
+op, kept as one node and run in the .pte by its ExecuTorch kernel (models/pipeline/moe_pte.py,
+cpp/moe/moe_executorch_op.cc); with --pte_experts=dense they become one 8da linear per expert run
+as a dense loop over all experts weighted by the routing (every expert's GEMM for every token).
+Ops without an ExecuTorch kernel are decomposed first (models/pipeline/pte_decompositions.py: the
+delta rule's triangular solve).
 
 Refused before lowering, one line naming the weight (`check_lowerable`): weight-only torchao weights
 (IntxWeightOnlyConfig) and asymmetric ones (non-zero zero points), which XNNPACK's partitioner
@@ -44,6 +47,9 @@ from models.pipeline.quantized_model import QuantizedExperts, _StackedQuantized
 from models.pipeline.agreement import format_table
 
 FLAGS = flags.FLAGS
+flags.DEFINE_enum("pte_experts", "op", ["op", "dense"], "Routed experts in the .pte: 'op' runs llmq's "
+                  "quantized_moe_ffn kernel (//cpp/moe:_moe_executorch_kernel.so), 'dense' every expert as 8da "
+                  "linears on XNNPACK, weighted by the routing.")
 
 ACTIVATION = "int8_asym_per_token"
 
@@ -176,12 +182,21 @@ def check_lowerable(model: nn.Module) -> int:
 
 
 def lower_programs(programs: Dict[str, "torch.export.ExportedProgram"]):
-    """to_edge_transform_and_lower(XnnpackPartitioner) -> to_executorch(); returns the ExecutorchProgramManager."""
+    """pte_decompositions -> to_edge_transform_and_lower(XnnpackPartitioner) -> to_executorch(); returns the
+    ExecutorchProgramManager. llmq's MoE op stays one node (its out variant after to_executorch)."""
     require_executorch()
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
-    from executorch.exir import to_edge_transform_and_lower
+    from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
 
-    edge = to_edge_transform_and_lower(programs, partitioner=[XnnpackPartitioner()])
+    from models.pipeline.pte_decompositions import decompose_for_pte
+
+    programs = {name: decompose_for_pte(p) for name, p in programs.items()}
+    has_op = any("quantized_moe_ffn" in str(n.target) for p in programs.values() for n in p.graph.nodes)
+    if has_op:
+        from models.pipeline import moe_pte  # noqa: F401  (defines the op's out variant for to_executorch)
+    # llmq's op is no core ATen op; the IR check would refuse it (the rest is checked by lowering itself)
+    config = EdgeCompileConfig(_check_ir_validity=not has_op)
+    edge = to_edge_transform_and_lower(programs, partitioner=[XnnpackPartitioner()], compile_config=config)
     return edge.to_executorch()
 
 
@@ -207,11 +222,16 @@ def delegated_fraction(manager, method: str) -> Dict[str, int]:
 class PteRunner:
     """The .pte's methods through executorch.runtime, with export_pt2's step signatures."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, moe_kernel: bool = False):
+        """moe_kernel: the program calls llmq::quantized_moe_ffn.out; load its kernel library first."""
         require_executorch()
         from executorch.runtime import Runtime
 
         start = time.perf_counter()
+        if moe_kernel:
+            from models.pipeline.moe_pte import load_executorch_kernel
+
+            load_executorch_kernel()
         self.program = Runtime.get().load_program(path)
         self.prefill_method = self.program.load_method("prefill")
         self.decode_method = self.program.load_method("decode")
@@ -271,9 +291,12 @@ def compare(reference_steps, pte: PteRunner, prompt: torch.Tensor, decode_steps:
 def run(arch: Architecture, make_layout: Callable[[nn.Module, int], StaticCacheLayout], *, dynamic_prompt: bool,
         bundle: Optional[str] = None, checkpoint: Optional[str] = None, recipe: Optional[str] = None,
         out: Optional[str] = None, max_seq_len: int = 128, decode_steps: int = 4, prompt_len: int = 8, seed: int = 0,
-        quiet: bool = False) -> Dict:
-    """Load the quantized model, convert to 8da, export + lower + write the .pte, run it, compare with eager."""
+        quiet: bool = False, experts: str = "op") -> Dict:
+    """Load the quantized model, swap MoE blocks for the op (experts="op") or not ("dense"), convert the rest to
+    8da, export + lower + write the .pte, run it, compare with eager."""
     require_executorch()
+    if experts not in ("op", "dense"):
+        raise quantize_and_save.UsageError(f"--pte_experts {experts!r}: expected op or dense")
     if prompt_len + decode_steps > max_seq_len:
         raise quantize_and_save.UsageError(f"--prompt_len {prompt_len} + --decode_steps {decode_steps} exceeds "
                                            f"--max_seq_len {max_seq_len} (the cache capacity)")
@@ -290,7 +313,11 @@ def run(arch: Architecture, make_layout: Callable[[nn.Module, int], StaticCacheL
     with torch.no_grad():  # the llmq eager model's own steps, before the swap
         eager = {"prefill": PrefillStep(model, layout), "decode": DecodeStep(model, layout)}
         eager_logits = _eager_logits(eager, prompt, decode_steps)
+    op_blocks: List[str] = []
+    if experts == "op" and any(isinstance(m, QuantizedExperts) for m in model.modules()):
+        op_blocks = _swap_in_moe_op(model)
     counts = to_8da(model)
+    counts["moe_op_blocks"] = len(op_blocks)
     if out is None:
         out = os.path.join(tempfile.mkdtemp(prefix=f"llmq-pte-{arch.name}-"), "model.pte")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
@@ -298,7 +325,7 @@ def run(arch: Architecture, make_layout: Callable[[nn.Module, int], StaticCacheL
     manager, programs = export_steps_pte(model, layout, prompt_len=prompt_len, max_seq_len=max_seq_len,
                                          dynamic_prompt=dynamic_prompt, out_path=out)
     lower_seconds = time.perf_counter() - start
-    pte = PteRunner(out)
+    pte = PteRunner(out, moe_kernel=bool(op_blocks))
     tokens = eager_logits["tokens"]
     ao = compare((programs[0].module(), programs[1].module()), pte, prompt, decode_steps, tokens)
     scale = max(t.abs().max().item() for t in eager_logits["logits"])
@@ -310,6 +337,8 @@ def run(arch: Architecture, make_layout: Callable[[nn.Module, int], StaticCacheL
         ("bundle", bundle_path + (" (temporary)" if bundle is None else "")),
         ("output", out), ("size", f"{os.path.getsize(out):,} bytes"),
         ("converted to 8da", f"{counts['linears']} linears, {counts['expert_blocks']} expert blocks (dense loop)"),
+        ("MoE op blocks", f"{len(op_blocks)} (llmq::quantized_moe_ffn.out; prefill/decode calls "
+                          f"{_op_calls(manager, 'prefill')} / {_op_calls(manager, 'decode')})"),
         ("XNNPACK delegates prefill/decode", f"{stats['prefill']['delegates']} / {stats['decode']['delegates']}"),
         ("linears outside XNNPACK", f"{stats['prefill']['linear_outside']} / {stats['decode']['linear_outside']}"),
         ("export + lower time", f"{lower_seconds:.1f} s"), ("load time", f"{pte.load_seconds * 1e3:.1f} ms"),
@@ -319,8 +348,28 @@ def run(arch: Architecture, make_layout: Callable[[nn.Module, int], StaticCacheL
         rows.append((f"max |diff| {'prefill' if i == 0 else f'decode {i}'}",
                      f".pte vs eager llmq {a:.2e}; .pte vs torchao eager 8da {b:.2e}"))
     log(format_table(rows))
-    return {"out": out, "counts": counts, "stats": stats, "vs_eager": vs_eager, "vs_ao": vs_ao, "scale": scale,
+    return {"out": out, "counts": counts, "op_calls": {d: _op_calls(manager, d) for d in ("prefill", "decode")}, "stats": stats, "vs_eager": vs_eager, "vs_ao": vs_ao, "scale": scale,
             "eager": eager_logits, "ao": ao, "pte": pte, "model": model, "layout": layout, "prompt": prompt}
+
+
+def _swap_in_moe_op(model: nn.Module) -> List[str]:
+    """MoE blocks -> llmq's op, checking first that the .pte will find its ExecuTorch kernel (one-line errors)."""
+    try:
+        from llmq.ops.kernel_loader import MoEKernelUnavailable
+        from models.pipeline import moe_pte
+    except ImportError as e:
+        raise quantize_and_save.UsageError(f"--pte_experts=op: llmq.ops is not importable ({e}); "
+                                           "or use --pte_experts=dense") from None
+    try:
+        moe_pte.load_executorch_kernel()
+        return moe_pte.use_moe_op_for_pte(model)
+    except (MoEKernelUnavailable, moe_pte.MoEExecuTorchKernelUnavailable) as e:
+        raise quantize_and_save.UsageError(f"--pte_experts=op: {e}; or use --pte_experts=dense") from None
+
+
+def _op_calls(manager, method: str) -> int:
+    graph = manager.exported_program(method).graph
+    return sum(1 for n in graph.nodes if n.op == "call_function" and "quantized_moe_ffn" in str(n.target))
 
 
 def _eager_logits(steps: Dict, prompt: torch.Tensor, decode_steps: int) -> Dict:
@@ -342,7 +391,7 @@ def main_for(arch: Architecture, make_layout: Callable[[nn.Module, int], StaticC
     from models.pipeline.export_pt2 import export_main
 
     def run_once(flags) -> int:
-        run(arch, make_layout, dynamic_prompt=dynamic_prompt, **flags)
+        run(arch, make_layout, dynamic_prompt=dynamic_prompt, experts=FLAGS.pte_experts, **flags)
         return 0
 
     export_main(run_once, (quantize_and_save.UsageError, CheckpointError, ValueError, ExecuTorchUnavailable))

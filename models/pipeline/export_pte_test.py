@@ -2,21 +2,29 @@
 
 Runs only where executorch is installed (Bazel target `backend = "executorch"`: SKIPPED elsewhere).
 
-What the .pte computes differs from the eager llmq model in two ways:
+What the .pte computes differs from the eager llmq model in three ways:
 1. each quantized linear quantizes its input to int8 per token (torchao's 8da: asymmetric, step
    s = (max(x,0) - min(x,0)) / 255), so every input element moves by at most s/2 (uniform in
    [-s/2, s/2] under the usual rounding-error model);
 2. XNNPACK stores 4-bit group scales as bfloat16 (8 significant bits): each group's scale moves by
-   a relative <= 2^-9 (8-bit per-channel scales stay float32). Codes are the bundle's, unchanged.
+   a relative <= 2^-9 (8-bit per-channel scales stay float32). Codes are the bundle's, unchanged;
+3. Qwen's routed experts run llmq's MoE kernel (llmq::quantized_moe_ffn.out), which quantizes the
+   input of each expert's gate_up and down projections to int8 per row and weight group, symmetric:
+   step s = amax/127 (<= the row's amax/127), weights exact (float32 scale and bias). The kernel is
+   the torch op's, so a single block's .pte output equals torch.ops.llmq.quantized_moe_ffn bit for bit.
 
 Error bounds used below, derived from that arithmetic (x one token's input, W_n one output row):
 * one linear, worst case: |dy_n| <= (s/2) * ||W_n||_1 + 2^-9 * sum_k |x_k W_nk|  (single-linear test);
 * one linear, statistically: dy_n has standard deviation <= (s/sqrt(12)) ||W_n||_2 + (2^-9/sqrt(3)) ||x||_2 ||W_n||_2;
-* the model: to first order the relative errors of the linears in series add up, so the logits'
-  error has standard deviation <= max|logit| * sum_l r_l, with r_l the above divided by rms(y_l),
-  maximised over tokens and rows and measured on the eager model's own activations; the test
-  allows 6 standard deviations. Against the same exported program run in eager torch (torchao's
-  8da reference numerics: identical activation quantization, float32 scales) only term 2 remains.
+* an expert projection under the op, the same with step amax/127 (per row, over the tokens routed
+  to that expert);
+* the model: the linears' rounding errors are independent, so their contributions to the logits add
+  in quadrature; to first order each reaches the logits with its relative size, so the logits' error
+  has standard deviation <= max|logit| * sqrt(sum_l r_l^2), with r_l the above divided by rms(y_l),
+  maximised over tokens and rows and measured on the eager model's own activations (every linear,
+  and for Qwen every routed expert's gate_up and down in every MoE layer); the test allows 6 standard
+  deviations. Against the same exported program run in eager torch (torchao's 8da reference numerics
+  and the torch op: identical activation quantization, float32 scales) only term 2 remains.
 """
 
 import math
@@ -30,6 +38,7 @@ pytest.importorskip("executorch.runtime", reason="executorch is not installed (o
 
 from llmq.quant import QuantConfig, QuantizedLinear, dequantize, quantize_weight, to_torchao  # noqa: E402
 from models.pipeline import export_pte  # noqa: E402
+from models.pipeline.quantized_model import QuantizedExperts  # noqa: E402
 
 
 def _act_scale(x: torch.Tensor) -> torch.Tensor:
@@ -108,9 +117,18 @@ def test_refused_forms_really_are_wrong_in_the_pte(tmp_path):
 
 
 def _relative_noise(model: nn.Module, steps, prompt, decode_steps):
-    """(sum over quantized linears of the statistical relative error r_l, the same for the bfloat16-scale term
-    alone) (module docstring), measured on the eager llmq model's activations over the same steps."""
+    """({linear: statistical relative error r_l}, {linear: the bfloat16-scale term of r_l alone}) (module
+    docstring), maximised over the eager llmq model's activations over the same steps. Routed experts (the
+    MoE kernel's symmetric per-row activation quantization) count each expert's gate_up and down."""
     worst, worst_bf16 = {}, {}
+
+    def keep(name, act, scl=0.0):
+        worst[name] = max(worst.get(name, 0.0), act + scl)
+        worst_bf16[name] = max(worst_bf16.get(name, 0.0), scl)
+
+    def rms(y):
+        return max(y.float().pow(2).mean().sqrt().item(), 1e-30)
+
     hooks = []
     for name, module in model.named_modules():
         if isinstance(module, QuantizedLinear):
@@ -120,19 +138,32 @@ def _relative_noise(model: nn.Module, steps, prompt, decode_steps):
 
             def hook(mod, args, out, name=name, w2=w2, bf16=bf16):
                 x = args[0].reshape(-1, args[0].shape[-1]).float()
-                rms = max(out.float().pow(2).mean().sqrt().item(), 1e-30)
-                act = (_act_scale(x).max().item() / math.sqrt(12)) * w2 / rms
-                scl = bf16 * x.norm(dim=-1).max().item() * w2 / rms
-                worst[name] = max(worst.get(name, 0.0), act + scl)
-                worst_bf16[name] = max(worst_bf16.get(name, 0.0), scl)
+                act = (_act_scale(x).max().item() / math.sqrt(12)) * w2 / rms(out)
+                keep(name, act, bf16 * x.norm(dim=-1).max().item() * w2 / rms(out))
 
             hooks.append(module.register_forward_hook(hook))
+        elif isinstance(module, QuantizedExperts):
+
+            def experts_hook(mod, args, out, name=name):
+                x, _, index = args
+                x = x.float()
+                for e in torch.unique(index).tolist():
+                    xe = x[torch.where(index == e)[0]]
+                    w13, w2 = mod.gate_up.expert(e).float(), mod.down.expert(e).float()
+                    gate_up = F.linear(xe, w13)
+                    gate, up = gate_up.chunk(2, dim=-1)
+                    h = F.silu(gate) * up
+                    for part, inp, w, y in (("gate_up", xe, w13, gate_up), ("down", h, w2, F.linear(h, w2))):
+                        step = inp.abs().amax(-1).max().item() / 127
+                        keep(f"{name}.{e}.{part}", step / math.sqrt(12) * w.norm(dim=-1).max().item() / rms(y))
+
+            hooks.append(module.register_forward_hook(experts_hook))
     try:
         export_pte._eager_logits(steps, prompt, decode_steps)
     finally:
         for h in hooks:
             h.remove()
-    return sum(worst.values()), sum(worst_bf16.values())
+    return worst, worst_bf16
 
 
 def _model_case(arch_module, export_module, tmp_path, recipe=None):
@@ -158,7 +189,11 @@ def _check_vs_eager(result, scale, decode_steps, tmp_path, arch_module, export_m
     layout = export_module.cache_layout(model, 32)
     steps = {"prefill": PrefillStep(model, layout), "decode": DecodeStep(model, layout)}
     with torch.no_grad():
-        rel, rel_bf16 = _relative_noise(model, steps, result["prompt"], decode_steps)
+        terms, terms_bf16 = _relative_noise(model, steps, result["prompt"], decode_steps)
+    experts = [n for n in terms if ".experts." in n]
+    assert bool(experts) == (result["counts"].get("moe_op_blocks", 0) > 0), experts  # experts counted iff the op ran
+    rel = math.sqrt(sum(r * r for r in terms.values()))
+    rel_bf16 = math.sqrt(sum(r * r for r in terms_bf16.values()))
     tolerance = 6 * scale * rel
     assert tolerance < 0.5 * scale, f"the bound is vacuous: {tolerance} vs max|logit| {scale}"
     assert max(result["vs_eager"]) <= tolerance, (result["vs_eager"], tolerance)
@@ -175,9 +210,44 @@ def test_gemma4_pte_prefill_and_decode(tmp_path):
 
 
 def test_qwen_pte_prefill_and_decode(tmp_path):
+    # the experts run llmq's MoE kernel inside the .pte (every MoE layer, both methods); the rest as for Gemma
     from models.qwen import export as qwen_export
     from models.qwen import spec as qwen_spec
 
     result, scale, _, steps = _model_case(qwen_spec, qwen_export, tmp_path)
-    assert result["counts"]["expert_blocks"] > 0
+    assert result["counts"]["moe_op_blocks"] > 0 and result["counts"]["expert_blocks"] == 0
+    assert result["op_calls"] == {"prefill": result["counts"]["moe_op_blocks"],
+                                  "decode": result["counts"]["moe_op_blocks"]}
     _check_vs_eager(result, scale, steps, tmp_path, qwen_spec, qwen_export)
+
+
+def test_moe_block_pte_equals_the_torch_op(tmp_path):
+    # One MoE block (routed + shared expert, INT4 g32) through the .pte: the out variant is in the program and its
+    # ExecuTorch kernel (//cpp/moe:_moe_executorch_kernel.so) computes exactly what torch.ops.llmq.quantized_moe_ffn
+    # computes (the same C++ kernel), bit for bit, for several token counts of one program.
+    from executorch.runtime import Runtime
+
+    from llmq.ops import pack_moe_experts
+    from llmq.ops.moe_testing import random_moe
+    from llmq.ops.transform import QuantizedMoEBlock
+    from models.pipeline import moe_pte
+
+    router, w13, w2, shared = random_moe(8, 64, 32, 4, 32, seed=1, shared_inter=32)
+    block = QuantizedMoEBlock(router, 2, pack_moe_experts(w13, w2), shared=pack_moe_experts(shared[0], shared[1]),
+                              shared_gate=shared[2])
+    x = torch.randn(1, 5, 64, generator=torch.Generator().manual_seed(2))
+    tokens = torch.export.Dim("tokens", min=1, max=16)
+    program = torch.export.export(block, (x,), dynamic_shapes={"hidden_states": {1: tokens}}, strict=False)
+    manager = export_pte.lower_programs({"forward": program})
+    targets = [str(n.target) for n in manager.exported_program("forward").graph.nodes if n.op == "call_function"]
+    assert targets.count("llmq.quantized_moe_ffn.out") == 1, targets
+    path = tmp_path / "block.pte"
+    path.write_bytes(manager.buffer)
+    moe_pte.load_executorch_kernel()
+    method = Runtime.get().load_program(str(path)).load_method("forward")
+    for t in (5, 1, 16):
+        x = torch.randn(1, t, 64, generator=torch.Generator().manual_seed(t))
+        got = method.execute([x])[0]
+        assert torch.equal(got, block(x)), (t, (got - block(x)).abs().max())
+    # and the op is not a float path in disguise: the float64 reference differs by its activation quantization
+    assert (got.double() - block.reference_forward(x).double()).abs().max() > 0
