@@ -30,17 +30,22 @@ def llmq_kernel_library(name, srcs, hdrs, deps = [], copts = [], **kwargs):
         **kwargs
     )
 
-def llmq_pybind_extension(name, srcs, deps = [], **kwargs):
-    """A pybind11 extension `name` (e.g. "_quant_kernel.so"), loaded by file path (llmq/_extensions.py)."""
+def llmq_shared_library(name, srcs, deps = [], **kwargs):
+    """A shared library `name` loaded by file path; hidden visibility: it exports nothing, it
+    registers what it offers (a Python module, an ExecuTorch kernel)."""
     native.cc_binary(
         name = name,
         srcs = srcs,
         copts = KERNEL_COPTS + ["-fvisibility=hidden"],
         linkopts = ["-lpthread"],
         linkshared = 1,
-        deps = deps + ["@local_python//:pybind11_headers", "@local_python//:python_headers"],
+        deps = deps,
         **kwargs
     )
+
+def llmq_pybind_extension(name, srcs, deps = [], **kwargs):
+    """A pybind11 extension `name` (e.g. "_quant_kernel.so"), loaded by file path (llmq/_extensions.py)."""
+    llmq_shared_library(name, srcs, deps + ["@local_python//:pybind11_headers", "@local_python//:python_headers"], **kwargs)
 
 def llmq_kernel_test(name, deps):
     """cc_test `name` from `<name>.cc`, with the shared CHECK macro (cpp/common/check.h)."""

@@ -10,19 +10,10 @@ repository rule fails with one line saying what to install.
 targets that run without executorch too (a model's export_pte binary prints one error line there).
 """
 
-load("//tools:cc.bzl", "KERNEL_COPTS")
+load("//tools:cc.bzl", "llmq_shared_library")
 
 def llmq_executorch_kernel(name, srcs, deps = [], **kwargs):
-    native.cc_binary(
-        name = name,
-        srcs = srcs,
-        # ExecuTorch's headers use C++17; hidden visibility: the library exports nothing, it registers itself
-        copts = KERNEL_COPTS + ["-fvisibility=hidden"],
-        linkopts = ["-lpthread"],
-        linkshared = 1,
-        deps = deps + ["@llmq_platform//:executorch_runtime"],
-        **kwargs
-    )
+    llmq_shared_library(name, srcs, deps + ["@llmq_platform//:executorch_runtime"], **kwargs)
 
 def executorch_kernel_data(label):
     return select({

@@ -94,10 +94,8 @@ bool is_sb_dtype(ScalarType t) { return t == ScalarType::Float || t == ScalarTyp
 
 void check_matrix(const Tensor& q, const Tensor& sb, const std::string& name, int64_t e, int64_t n, int64_t k,
                   int64_t bits, int64_t gs) {
-  check(bits == 4 || bits == 8, name, " bits must be 4 or 8, got ", bits);
-  check(gs > 0 && gs % 32 == 0, name, " group_size must be a positive multiple of 32, got ", gs);
-  check(k % gs == 0, name, " group_size ", gs, " does not divide its input dimension ", k);
-  check(n % 16 == 0, name, " output dimension ", n, " is not a multiple of 16");
+  const std::string layout = check_layout(n, k, bits, gs);  // the packer's rule
+  check(layout.empty(), name, " ", layout);
   expect(q, (name + "_qdata").c_str(), ScalarType::Byte, {e, n / 16, 16 * k * bits / 8});
   const std::vector<int64_t> sb_shape{e, n / 16, 32 * (k / gs)};
   check(is_sb_dtype(sb.scalar_type()) && has_shape(sb, sb_shape), name, "_sb must be float32 or bfloat16 ",
@@ -105,15 +103,8 @@ void check_matrix(const Tensor& q, const Tensor& sb, const std::string& name, in
 }
 
 QMatrix matrix(const Tensor& q, const Tensor& sb, int64_t n, int64_t k, int64_t bits, int64_t gs) {
-  QMatrix m;
-  m.qdata = q.const_data_ptr<uint8_t>();
-  if (sb.scalar_type() == ScalarType::BFloat16) m.sb16 = reinterpret_cast<const uint16_t*>(sb.const_data_ptr());
-  else m.sb = sb.const_data_ptr<float>();
-  m.n = n;
-  m.k = k;
-  m.bits = static_cast<int>(bits);
-  m.group_size = static_cast<int>(gs);
-  return m;
+  return QMatrix::over(q.const_data_ptr<uint8_t>(), sb.const_data_ptr(), sb.scalar_type() == ScalarType::BFloat16,
+                       n, k, bits, gs);
 }
 
 const Tensor* optional_tensor(EValue* v) { return v->isNone() ? nullptr : &v->toTensor(); }

@@ -66,7 +66,7 @@ static Isa resolve(Isa isa) {
 
 // ---------------------------------------------------------------- layout and packing
 
-std::string check_layout(int64_t n, int64_t k, int bits, int group_size) {
+std::string check_layout(int64_t n, int64_t k, int64_t bits, int64_t group_size) {
   if (bits != 4 && bits != 8) return "bits must be 4 or 8, got " + std::to_string(bits);
   if (group_size <= 0 || group_size % 32)
     return "group_size must be a positive multiple of 32, got " + std::to_string(group_size);
@@ -124,18 +124,17 @@ inline float max_like_vec(float a, float b) { return a > b ? a : b; }  // == _mm
 inline float min_like_vec(float a, float b) { return a < b ? a : b; }  // == _mm512_min_ps(a, b)
 
 // exp by range reduction and a degree-6 Taylor polynomial (~1 ulp on fp32).
+// exp's polynomial on the reduced argument r, Horner order (highest degree first).
+constexpr int kExpPolyTerms = 7;
+constexpr float kExpPoly[kExpPolyTerms] = {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f};
+
 inline float exp_scalar(float x) {
   x = min_like_vec(max_like_vec(x, kExpLo), kExpHi);
   float n = std::nearbyint(x * kLog2e);
   float r = std::fma(n, -kLn2Hi, x);
   r = std::fma(n, -kLn2Lo, r);
-  float p = 1.0f / 720;
-  p = std::fma(p, r, 1.0f / 120);
-  p = std::fma(p, r, 1.0f / 24);
-  p = std::fma(p, r, 1.0f / 6);
-  p = std::fma(p, r, 0.5f);
-  p = std::fma(p, r, 1.0f);
-  p = std::fma(p, r, 1.0f);
+  float p = kExpPoly[0];
+  for (int i = 1; i < kExpPolyTerms; ++i) p = std::fma(p, r, kExpPoly[i]);
   int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float two_n;
   std::memcpy(&two_n, &bits, 4);
@@ -151,13 +150,8 @@ LLMQ_AVX512 inline __m512 exp_avx512(__m512 x) {
                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-kLn2Hi), x);
   r = _mm512_fmadd_ps(n, _mm512_set1_ps(-kLn2Lo), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  __m512 p = _mm512_set1_ps(kExpPoly[0]);
+  for (int i = 1; i < kExpPolyTerms; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpPoly[i]));
   __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
   return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
 }
@@ -175,13 +169,8 @@ LLMQ_AVX2 inline __m256 exp_avx2(__m256 x) {
   __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-kLn2Hi), x);
   r = _mm256_fmadd_ps(n, _mm256_set1_ps(-kLn2Lo), r);
-  __m256 p = _mm256_set1_ps(1.0f / 720);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  __m256 p = _mm256_set1_ps(kExpPoly[0]);
+  for (int i = 1; i < kExpPolyTerms; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpPoly[i]));
   __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
@@ -613,6 +602,19 @@ void gemm_tile_resolved(const QMatrix& w, const int64_t* tiles, int nt, const in
   if (isa == Isa::kAvx2) return gemm_tile_avx2(w, tiles, nt, xq, ascale, asum, m, out);
 #endif
   gemm_tile_scalar(w, tiles, nt, xq, ascale, asum, m, out);
+}
+
+// Two adjacent tiles (gate and up, or a pair of w2 tiles) for m activation rows into
+// out [m][32]. With little reuse per weight byte (m <= 2) the tiles are read one after the
+// other: memory sees one sequential stream instead of two interleaved short ones.
+void gemm_tile_pair(const QMatrix& w, const int64_t* tiles, const int8_t* const* xq, const float* const* ascale,
+                    const float* const* asum, int m, float* out, Isa isa) {
+  if (m > 2) return gemm_tile_resolved(w, tiles, 2, xq, ascale, asum, m, out, isa);
+  alignas(64) float part[2 * 16];
+  for (int t = 0; t < 2; ++t) {
+    gemm_tile_resolved(w, tiles + t, 1, xq, ascale, asum, m, part, isa);
+    for (int i = 0; i < m; ++i) std::memcpy(out + i * 32 + t * 16, part + i * 16, 16 * sizeof(float));
+  }
 }
 
 }  // namespace
@@ -1051,17 +1053,7 @@ void moe_ffn(const MoEArgs& a, float* out) {
         rows_sum[i] = qsum + tok * gstride;
       }
       alignas(64) float gu[kMaxM * 32];
-      if (m <= 2) {
-        // Little reuse per weight byte: read gate then up tile (adjacent in memory) one
-        // after the other, one sequential stream instead of two interleaved ones.
-        alignas(64) float part[2 * 16];
-        for (int t = 0; t < 2; ++t) {
-          gemm_tile_resolved(w, tiles + t, 1, rows_q, rows_s, rows_sum, static_cast<int>(m), part, isa);
-          for (int i = 0; i < m; ++i) std::memcpy(gu + i * 32 + t * 16, part + i * 16, 16 * sizeof(float));
-        }
-      } else {
-        gemm_tile_resolved(w, tiles, 2, rows_q, rows_s, rows_sum, static_cast<int>(m), gu, isa);
-      }
+      gemm_tile_pair(w, tiles, rows_q, rows_s, rows_sum, static_cast<int>(m), gu, isa);
       for (int i = 0; i < m; ++i)
         swiglu16(gu + i * 32, gu + i * 32 + 16, hbuf + (first + b + i) * fdim + j * 16, isa);
     }
@@ -1109,17 +1101,7 @@ void moe_ffn(const MoEArgs& a, float* out) {
         rows_sum[i] = qsum + r * gstride;
       }
       alignas(64) float y[kMaxM * 32];
-      if (m <= 2) {
-        // Little reuse per weight byte: read the two (adjacent) tiles one after the other,
-        // so memory sees one sequential stream instead of two interleaved short ones.
-        alignas(64) float part[2 * 16];
-        for (int t = 0; t < 2; ++t) {
-          gemm_tile_resolved(w, tiles + t, 1, rows_q, rows_s, rows_sum, static_cast<int>(m), part, isa);
-          for (int i = 0; i < m; ++i) std::memcpy(y + i * 32 + t * 16, part + i * 16, 16 * sizeof(float));
-        }
-      } else {
-        gemm_tile_resolved(w, tiles, 2, rows_q, rows_s, rows_sum, static_cast<int>(m), y, isa);
-      }
+      gemm_tile_pair(w, tiles, rows_q, rows_s, rows_sum, static_cast<int>(m), y, isa);
       for (int i = 0; i < m; ++i) consume(first + b + i, y + i * 32);
     }
   };

@@ -60,6 +60,20 @@ struct QMatrix {
   int64_t matrix_qbytes() const { return (n / 16) * tile_qbytes(); }
   int64_t matrix_sbfloats() const { return (n / 16) * tile_sbfloats(); }
   int sb_elem_bytes() const { return sb16 ? 2 : 4; }
+
+  // A matrix (or a stack) over caller-owned buffers: `sb` is bfloat16 bits when sb_bf16, else float32.
+  static QMatrix over(const uint8_t* qdata, const void* sb, bool sb_bf16, int64_t n, int64_t k, int64_t bits,
+                      int64_t group_size) {
+    QMatrix m;
+    m.qdata = qdata;
+    if (sb_bf16) m.sb16 = static_cast<const uint16_t*>(sb);
+    else m.sb = static_cast<const float*>(sb);
+    m.n = n;
+    m.k = k;
+    m.bits = static_cast<int>(bits);
+    m.group_size = static_cast<int>(group_size);
+    return m;
+  }
   // The same matrix `elems` sb elements further on (e.g. the next expert of a stack).
   QMatrix advanced(int64_t qbytes, int64_t elems) const {
     QMatrix m = *this;
@@ -72,7 +86,7 @@ struct QMatrix {
 
 // Returns an empty string if (n, k, bits, group_size) is a layout this kernel packs,
 // else a message saying what is wrong.
-std::string check_layout(int64_t n, int64_t k, int bits, int group_size);
+std::string check_layout(int64_t n, int64_t k, int64_t bits, int64_t group_size);
 
 // Canonical -> tiled. q: uint8 [N, K*bits/8] LSB-first bit stream, scale/bias float [N, K/gs].
 // out_q: N*K*bits/8 bytes, out_sb: 2*N*K/gs floats. Throws std::invalid_argument on bad layout.

@@ -66,10 +66,8 @@ void check_sb_pair(const Tensor& a, const Tensor& b, const char* what) {
 
 void check_matrix(const Tensor& q, const Tensor& sb, const std::string& name, int64_t e, int64_t n, int64_t k,
                   int64_t bits, int64_t gs) {
-  LLMQ_CHECK(bits == 4 || bits == 8, name, " bits must be 4 or 8, got ", bits);
-  LLMQ_CHECK(gs > 0 && gs % 32 == 0, name, " group_size must be a positive multiple of 32, got ", gs);
-  LLMQ_CHECK(k % gs == 0, name, " group_size ", gs, " does not divide its input dimension ", k);
-  LLMQ_CHECK(n % 16 == 0, name, " output dimension ", n, " is not a multiple of 16");
+  const std::string layout = check_layout(n, k, bits, gs);  // the packer's rule
+  LLMQ_CHECK(layout.empty(), name, " ", layout);
   expect(q, (name + "_qdata").c_str(), at::kByte, {e, n / 16, 16 * k * bits / 8});
   const std::vector<int64_t> sb_shape{e, n / 16, 32 * (k / gs)};
   LLMQ_CHECK(is_sb_dtype(sb.scalar_type()) && sb.sizes() == at::IntArrayRef(sb_shape), name,
@@ -83,15 +81,7 @@ void check_cpu(const Tensor& t, const char* name) {
 
 // One packed matrix (or a stack) as the kernel sees it; `t_q`/`t_sb` are contiguous.
 QMatrix matrix(const Tensor& q, const Tensor& sb, int64_t n, int64_t k, int64_t bits, int64_t gs) {
-  QMatrix m;
-  m.qdata = q.data_ptr<uint8_t>();
-  if (sb.scalar_type() == at::kBFloat16) m.sb16 = reinterpret_cast<const uint16_t*>(sb.data_ptr());
-  else m.sb = sb.data_ptr<float>();
-  m.n = n;
-  m.k = k;
-  m.bits = static_cast<int>(bits);
-  m.group_size = static_cast<int>(gs);
-  return m;
+  return QMatrix::over(q.data_ptr<uint8_t>(), sb.data_ptr(), sb.scalar_type() == at::kBFloat16, n, k, bits, gs);
 }
 
 Tensor quantized_moe_ffn_cpu(const Tensor& x, const Tensor& router_weight, const OptTensor& expert_bias,

@@ -46,10 +46,10 @@ MatrixArgs matrix_args(uintptr_t w, const std::string& input, int64_t rows, int6
   return a;
 }
 
-// Returns "ok", "not_finite" or "range_overflow".
-std::string run_quantize(uintptr_t w, const std::string& input, int64_t rows, int64_t k, int bits,
-                         int64_t group_size, bool symmetric, uintptr_t qdata, uintptr_t scale, uintptr_t bias,
-                         int threads, const std::string& isa) {
+// The integer kernels' arguments, checked (std::invalid_argument with check_args' reason).
+QuantizeArgs quantize_args(uintptr_t w, const std::string& input, int64_t rows, int64_t k, int bits,
+                           int64_t group_size, bool symmetric, uintptr_t qdata, uintptr_t scale, uintptr_t bias,
+                           int threads, const std::string& isa) {
   QuantizeArgs a;
   static_cast<MatrixArgs&>(a) = matrix_args(w, input, rows, k, threads, isa);
   a.bits = bits;
@@ -60,19 +60,30 @@ std::string run_quantize(uintptr_t w, const std::string& input, int64_t rows, in
   a.bias = reinterpret_cast<float*>(bias);
   const std::string err = check_args(a);
   if (!err.empty()) throw std::invalid_argument(err);
-  Status s;
-  {
-    py::gil_scoped_release release;
-    s = quantize(a);
-  }
-  switch (s) {
-    case Status::kNotFinite:
-      return "not_finite";
-    case Status::kRangeOverflow:
-      return "range_overflow";
-    default:
-      return "ok";
-  }
+  return a;
+}
+
+const char* status_name(Status s) {
+  return s == Status::kNotFinite ? "not_finite" : s == Status::kRangeOverflow ? "range_overflow" : "ok";
+}
+
+// Returns "ok", "not_finite" or "range_overflow".
+std::string run_quantize(uintptr_t w, const std::string& input, int64_t rows, int64_t k, int bits,
+                         int64_t group_size, bool symmetric, uintptr_t qdata, uintptr_t scale, uintptr_t bias,
+                         int threads, const std::string& isa) {
+  const QuantizeArgs a = quantize_args(w, input, rows, k, bits, group_size, symmetric, qdata, scale, bias, threads, isa);
+  py::gil_scoped_release release;
+  return status_name(quantize(a));
+}
+
+// Method "search" end to end (search_quantize): like run_quantize, plus importance (0 or
+// the address of float32 [k]). Returns "ok", "not_finite" or "range_overflow".
+std::string run_search_quantize(uintptr_t w, const std::string& input, int64_t rows, int64_t k, int bits,
+                                int64_t group_size, bool symmetric, uintptr_t qdata, uintptr_t scale, uintptr_t bias,
+                                int threads, const std::string& isa, uintptr_t importance) {
+  const QuantizeArgs a = quantize_args(w, input, rows, k, bits, group_size, symmetric, qdata, scale, bias, threads, isa);
+  py::gil_scoped_release release;
+  return status_name(search_quantize(a, reinterpret_cast<const float*>(importance)));
 }
 
 // The (scale, zero) searches' layout check: std::invalid_argument naming `what`.
@@ -92,34 +103,6 @@ void run_search_qparams(uintptr_t g, int64_t rows, int64_t k, int64_t group_size
   search_qparams(reinterpret_cast<const float*>(g), rows, k, group_size, bits, symmetric,
                  reinterpret_cast<float*>(scale), symmetric ? nullptr : reinterpret_cast<float*>(zero), threads,
                  reinterpret_cast<const float*>(importance), i);
-}
-
-// Method "search" end to end (search_quantize): like run_quantize, plus importance (0 or
-// the address of float32 [k]). Returns "ok", "not_finite" or "range_overflow".
-std::string run_search_quantize(uintptr_t w, const std::string& input, int64_t rows, int64_t k, int bits,
-                                int64_t group_size, bool symmetric, uintptr_t qdata, uintptr_t scale, uintptr_t bias,
-                                int threads, const std::string& isa, uintptr_t importance) {
-  QuantizeArgs a;
-  a.w = reinterpret_cast<const void*>(w);
-  a.input = parse_input(input);
-  a.rows = rows;
-  a.k = k;
-  a.bits = bits;
-  a.group_size = group_size;
-  a.symmetric = symmetric;
-  a.qdata = reinterpret_cast<uint8_t*>(qdata);
-  a.scale = reinterpret_cast<float*>(scale);
-  a.bias = reinterpret_cast<float*>(bias);
-  a.threads = threads;
-  a.isa = parse_isa(isa);
-  const std::string err = check_args(a);
-  if (!err.empty()) throw std::invalid_argument(err);
-  Status s;
-  {
-    py::gil_scoped_release release;
-    s = search_quantize(a, reinterpret_cast<const float*>(importance));
-  }
-  return s == Status::kNotFinite ? "not_finite" : s == Status::kRangeOverflow ? "range_overflow" : "ok";
 }
 
 // Method "hqq": (scale, float zero) per group of float32 rows g [rows, k] into scale / zero

@@ -175,17 +175,24 @@ LLMQ_AVX2_FMA void transpose_groups(const float* src, int64_t n, int lanes, floa
     for (int64_t j = 0; j < n; ++j) dst[j * kLanes + l] = l < lanes ? src[l * n + j] : 0.0f;
 }
 
-// Candidates of the 8 groups, lane-wise exactly group_candidates' float32 operations.
-// False if an asymmetric scale is not finite.
-LLMQ_AVX2_FMA bool batch_candidates(int64_t n, int bits, bool symmetric, Batch* b) {
-  __m256 vmn = _mm256_loadu_ps(b->xt.data()), vmx = vmn;
+// Lane-wise minimum and maximum over the n rows of a transposed batch (kLanes floats a row)
+// into 32-byte aligned mn / mx.
+LLMQ_AVX2_FMA void lane_min_max(const float* t, int64_t n, float* mn, float* mx) {
+  __m256 vmn = _mm256_loadu_ps(t), vmx = vmn;
   for (int64_t j = 1; j < n; ++j) {
-    const __m256 x = _mm256_loadu_ps(b->xt.data() + j * kLanes);
+    const __m256 x = _mm256_loadu_ps(t + j * kLanes);
     vmn = _mm256_min_ps(vmn, x);
     vmx = _mm256_max_ps(vmx, x);
   }
-  _mm256_store_ps(b->gmin, vmn);
-  _mm256_store_ps(b->gmax, vmx);
+  _mm256_store_ps(mn, vmn);
+  _mm256_store_ps(mx, vmx);
+}
+
+// Candidates of the 8 groups, lane-wise exactly group_candidates' float32 operations.
+// False if an asymmetric scale is not finite.
+LLMQ_AVX2_FMA bool batch_candidates(int64_t n, int bits, bool symmetric, Batch* b) {
+  lane_min_max(b->xt.data(), n, b->gmin, b->gmax);
+  const __m256 vmn = _mm256_load_ps(b->gmin), vmx = _mm256_load_ps(b->gmax);
   const __m256 zero = _mm256_setzero_ps(), eps = _mm256_set1_ps(FLT_MIN);
   const __m256 min_neg = _mm256_min_ps(vmn, zero), max_pos = _mm256_max_ps(vmx, zero);
   _mm256_store_ps(b->min_neg, min_neg);
@@ -424,14 +431,7 @@ LLMQ_AVX2_FMA bool search_batch(const float* x, const float* imp, int64_t g0, in
   transpose_groups(x + g0 * n, n, lanes, b->xt.data());
   if (imp) {
     transpose_groups(imp + g0 * n, n, lanes, b->at.data());
-    __m256 amax = _mm256_setzero_ps(), amin = _mm256_set1_ps(INFINITY);
-    for (int64_t j = 0; j < n; ++j) {
-      const __m256 a = _mm256_loadu_ps(b->at.data() + j * kLanes);
-      amax = _mm256_max_ps(amax, a);
-      amin = _mm256_min_ps(amin, a);
-    }
-    _mm256_store_ps(b->amax_imp, amax);
-    _mm256_store_ps(b->amin_imp, amin);
+    lane_min_max(b->at.data(), n, b->amin_imp, b->amax_imp);  // importances are positive and finite
   } else {
     _mm256_store_ps(b->amax_imp, _mm256_set1_ps(1.0f));
     _mm256_store_ps(b->amin_imp, _mm256_set1_ps(1.0f));

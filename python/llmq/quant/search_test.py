@@ -41,15 +41,22 @@ def reference_candidates(w, bits, symmetric):
     return out
 
 
-def reference_error(w, s, z, bits, symmetric):
-    """Squared error in float64 of one group quantized with scale s and zero z."""
+def reference_weighted_error(w, a, s, z, bits, symmetric):
+    """Importance-weighted squared error in float64 of one group quantized with scale s and
+    zero z (sum a_j (deq_j - w_j)^2; a = None: unweighted)."""
     scaled = np.round((w * (F32(1) / s)).astype(np.float32))
     if symmetric:
         q = np.clip(scaled, -(2 ** (bits - 1)), 2 ** (bits - 1) - 1) + z
     else:
         q = np.clip(scaled + z, 0, 2**bits - 1)
     recon = (np.float64(s) * (q.astype(np.float64) - z)).astype(np.float32).astype(np.float64)
-    return float(((recon - w.astype(np.float64)) ** 2).sum())
+    terms = (recon - w.astype(np.float64)) ** 2
+    return float((terms if a is None else terms * a.astype(np.float64)).sum())
+
+
+def reference_error(w, s, z, bits, symmetric):
+    """Squared error in float64 of one group quantized with scale s and zero z."""
+    return reference_weighted_error(w, None, s, z, bits, symmetric)
 
 
 def group_errors(w, qw, gs):
@@ -246,16 +253,6 @@ def test_native_search_quantize_other_dtypes_and_bad_values(dtype, monkeypatch):
     with pytest.raises(ValueError, match="overflows float32"):
         quantize_weight(huge, cfg, name="w")
 
-
-def reference_weighted_error(w, a, s, z, bits, symmetric):
-    """Importance-weighted squared error in float64 of one group (sum a_j (deq_j - w_j)^2)."""
-    scaled = np.round((w * (F32(1) / s)).astype(np.float32))
-    if symmetric:
-        q = np.clip(scaled, -(2 ** (bits - 1)), 2 ** (bits - 1) - 1) + z
-    else:
-        q = np.clip(scaled + z, 0, 2**bits - 1)
-    recon = (np.float64(s) * (q.astype(np.float64) - z)).astype(np.float32).astype(np.float64)
-    return float((((recon - w.astype(np.float64)) ** 2) * a.astype(np.float64)).sum())
 
 
 def log_normal_importance(k, seed):
