@@ -107,7 +107,9 @@ class Evaluator:
 
     def __init__(self, build: Callable[[Dict[str, torch.Tensor]], torch.nn.Module], reference: Dict[str, torch.Tensor],
                  windows: List[torch.Tensor]):
-        self.model = build(reference).eval()
+        # the model gets its own copy: loading assigns tensors (no copy), and swapping a variant in
+        # writes into the model's parameters, which must never be the reference's tensors
+        self.model = build({n: t.clone() for n, t in reference.items()}).eval()
         self.params = dict(self.model.named_parameters())
         self.reference = {n: reference[n] for n in reference if n in self.params}
         self.windows = windows
@@ -138,8 +140,9 @@ class Evaluator:
                 stats[name]["nll"] -= float(got.gather(-1, target[:, None]).sum())
                 stats[name]["top1"] += float((got.argmax(-1) == ref_top).sum())
             tokens += len(target)
+            running = ", ".join(f"{name} {s['kl'] / tokens:.4f}" for name, s in stats.items() if name != "reference")
             print(f"  window {len(tokens_done) + 1}/{len(self.windows)}: {tokens} tokens, "
-                  f"{time.time() - start:.0f} s", flush=True)
+                  f"{time.time() - start:.0f} s; mean KL so far: {running}", flush=True)
             tokens_done.append(tokens)
         self._set(self.reference)
         return {name: {"mean_kl": s["kl"] / tokens, "ppl": math.exp(s["nll"] / tokens), "top1": s["top1"] / tokens,

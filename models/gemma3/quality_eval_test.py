@@ -8,7 +8,7 @@ from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 from llmq.quant import QuantConfig, dequantize, quantize_weight
 from models.gemma3.config import ModelConfig
 from models.gemma3.spec import ARCHITECTURE
-from models.gemma3.quality_eval import off_grid, on_grid_fraction, projection_names
+from models.gemma3.quality_eval import Evaluator, off_grid, on_grid_fraction, projection_names
 from models.pipeline.quantized_model import build_quantized_model
 
 
@@ -47,3 +47,23 @@ def test_off_grid_keeps_the_function_and_leaves_no_group_on_a_grid():
     assert float((a - b).abs().max()) <= 1e-5 * float(a.abs().max())
     pa, pb = torch.log_softmax(a, -1), torch.log_softmax(b, -1)
     assert float((pa.exp() * (pa - pb)).sum(-1).mean()) < 1e-9
+
+
+def test_evaluating_variants_leaves_the_reference_as_it_was():
+    # each window's reference log-probabilities must come from the reference weights, whatever variant
+    # was swapped in before: the same reference numbers with and without variants, and its tensors intact
+    config, tensors = _tiny()
+    names = projection_names(config)
+    original = {n: t.clone() for n, t in tensors.items()}
+    noisy = {n: tensors[n] + 0.05 * torch.randn_like(tensors[n]) for n in names}
+
+    def build(weights):
+        return build_quantized_model(ARCHITECTURE.build_model(config, device="meta"), dict(weights))
+
+    windows = [torch.randint(0, 96, (9,), generator=torch.Generator().manual_seed(s)) for s in range(3)]
+    alone = Evaluator(build, tensors, windows).run({})
+    both = Evaluator(build, tensors, windows).run({"noisy": noisy, "same": {n: tensors[n] for n in names}})
+    assert all(tensors[n].equal(original[n]) for n in tensors)
+    assert both["reference"]["ppl"] == alone["reference"]["ppl"]
+    assert both["noisy"]["mean_kl"] > 1e-4
+    assert abs(both["same"]["mean_kl"]) < 1e-9 and both["same"]["top1"] == 1.0
