@@ -82,10 +82,8 @@ def measure_options(name: str, w: torch.Tensor, configs: Sequence[QuantConfig] =
         options.append(Option(config, stored_bits(q, config), weight_error(w, dequantize(q, torch.float32), importance)))
     if not options:
         raise ValueError(f"{name}: none of the candidate configs fits its shape {list(w.shape)}")
-    if relative:
-        energy = weight_error(w, torch.zeros_like(w, dtype=torch.float32), importance)
-        if not energy > 0:
-            raise ValueError(f"{name}: relative error of an all-zero weight is undefined")
+    energy = weight_error(w, torch.zeros_like(w, dtype=torch.float32), importance) if relative else 0.0
+    if energy > 0:  # an all-zero weight is exact in every option: its errors stay 0
         options = [dataclasses.replace(o, error=o.error / energy) for o in options]
     return options
 

@@ -46,8 +46,7 @@ def test_relative_errors_are_the_weighted_error_over_the_weighted_energy_and_ign
     # A power-of-two factor moves every code and scale exactly: the relative errors do not change.
     scaled = measure_options("b.up_proj", w * 8, importance=imp, relative=True)
     assert [o.error for o in scaled] == pytest.approx([o.error for o in relative], rel=1e-9)
-    with pytest.raises(ValueError, match="all-zero"):
-        measure_options("zero", torch.zeros(4, 64), relative=True)
+    assert all(o.error == 0 for o in measure_options("zero", torch.zeros(4, 64), relative=True))
 
 
 def test_a_config_whose_group_does_not_divide_k_is_not_an_option():
