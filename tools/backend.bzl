@@ -2,12 +2,13 @@
 
 load("//tools:pytest.bzl", "llmq_py_test")
 
-def llmq_backend(name, deps, tests = {}, testutil = False):
+def llmq_backend(name, deps = [], tests = {}):
     """Declares, in backends/<name>/:
 
     - py_library `name` over llmq_<name>/**/*.py (imported as `llmq_<name>`), visible above the
-      core only, depending on the Backend protocol (//python/llmq:backend) and `deps`;
-    - with `testutil`, py_library `<name>_testutil` (testonly) from <name>_testutil.py;
+      core only, depending on the Backend protocol (//python/llmq:backend), the quantized tensors
+      and checkpoint I/O it writes with (//python/llmq/quant, //python/llmq/checkpoint) and `deps`;
+    - where <name>_testutil.py exists, py_library `<name>_testutil` (testonly) from it;
     - one llmq_py_test per entry of `tests`: {test name: {"backend": runtime gate or None,
       "size": "small" by default, "deps": extra deps}}, each depending on the library (and testutil).
     """
@@ -16,10 +17,10 @@ def llmq_backend(name, deps, tests = {}, testutil = False):
         srcs = native.glob(["llmq_%s/**/*.py" % name]),
         imports = ["."],
         visibility = ["//tools:above_core"],
-        deps = ["//python/llmq:backend"] + deps,
+        deps = ["//python/llmq:backend", "//python/llmq/checkpoint", "//python/llmq/quant"] + deps,
     )
     test_deps = [":" + name]
-    if testutil:
+    if native.glob([name + "_testutil.py"]):
         native.py_library(
             name = name + "_testutil",
             testonly = True,

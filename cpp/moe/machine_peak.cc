@@ -22,41 +22,40 @@ constexpr int kAcc = 12;
 constexpr int64_t kIters = 1 << 16;
 
 #if defined(__x86_64__)
-// Returns ops done; `sink` keeps the result alive.
-__attribute__((target("avx512f,fma"))) double loop_fp32(float* sink) {
+// Every instruction set the loops below use: the one loop is compiled for all of them, and each caller
+// runs it only where the CPU has the instruction its `step` issues (measure_peak_gops checks).
+#define LLMQ_PEAK_TARGET __attribute__((target("avx512f,avx512bw,avx512bf16,avx512vnni,fma")))
+
+// kAcc accumulators, each stepped kIters times by `step` (one instruction doing `macs`
+// multiply-accumulates); returns ops done; `sink` keeps the result alive. Integer steps see the
+// accumulators' bits as int32 lanes (the casts cost no instruction).
+template <class Step>
+LLMQ_PEAK_TARGET double peak_loop(float* sink, int macs, Step step) {
   __m512 acc[kAcc];
   for (int i = 0; i < kAcc; ++i) acc[i] = _mm512_set1_ps(0.001f * i);
-  const __m512 a = _mm512_set1_ps(0.999f), b = _mm512_set1_ps(0.0001f);
   for (int64_t it = 0; it < kIters; ++it)
-    for (int i = 0; i < kAcc; ++i) acc[i] = _mm512_fmadd_ps(acc[i], a, b);
+    for (int i = 0; i < kAcc; ++i) acc[i] = step(acc[i]);
   __m512 s = acc[0];
   for (int i = 1; i < kAcc; ++i) s = _mm512_add_ps(s, acc[i]);
   *sink = _mm512_reduce_add_ps(s);
-  return 2.0 * 16 * kAcc * kIters;
+  return 2.0 * macs * kAcc * kIters;
+}
+
+__attribute__((target("avx512f,fma"))) double loop_fp32(float* sink) {
+  const __m512 a = _mm512_set1_ps(0.999f), b = _mm512_set1_ps(0.0001f);
+  return peak_loop(sink, 16, [=](__m512 acc) LLMQ_PEAK_TARGET { return _mm512_fmadd_ps(acc, a, b); });
 }
 
 __attribute__((target("avx512f,avx512bf16"))) double loop_bf16(float* sink) {
-  __m512 acc[kAcc];
-  for (int i = 0; i < kAcc; ++i) acc[i] = _mm512_set1_ps(0.001f * i);
   const __m512bh a = (__m512bh)_mm512_set1_epi16(0x3f80), b = (__m512bh)_mm512_set1_epi16(0x3a80);
-  for (int64_t it = 0; it < kIters; ++it)
-    for (int i = 0; i < kAcc; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], a, b);
-  __m512 s = acc[0];
-  for (int i = 1; i < kAcc; ++i) s = _mm512_add_ps(s, acc[i]);
-  *sink = _mm512_reduce_add_ps(s);
-  return 2.0 * 32 * kAcc * kIters;
+  return peak_loop(sink, 32, [=](__m512 acc) LLMQ_PEAK_TARGET { return _mm512_dpbf16_ps(acc, a, b); });
 }
 
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) double loop_vnni(float* sink) {
-  __m512i acc[kAcc];
-  for (int i = 0; i < kAcc; ++i) acc[i] = _mm512_set1_epi32(i);
   const __m512i a = _mm512_set1_epi8(3), b = _mm512_set1_epi8(-2);
-  for (int64_t it = 0; it < kIters; ++it)
-    for (int i = 0; i < kAcc; ++i) acc[i] = _mm512_dpbusd_epi32(acc[i], a, b);
-  __m512i s = acc[0];
-  for (int i = 1; i < kAcc; ++i) s = _mm512_add_epi32(s, acc[i]);
-  *sink = static_cast<float>(_mm512_reduce_add_epi32(s));
-  return 2.0 * 64 * kAcc * kIters;
+  return peak_loop(sink, 64, [=](__m512 acc) LLMQ_PEAK_TARGET {
+    return _mm512_castsi512_ps(_mm512_dpbusd_epi32(_mm512_castps_si512(acc), a, b));
+  });
 }
 #endif
 

@@ -90,16 +90,16 @@ void expect(const Tensor& t, const char* name, ScalarType dtype, const std::vect
         shape_str(shape), ", got ", dtype_name(t.scalar_type()), " ", shape_str(t));
 }
 
-bool is_sb_dtype(ScalarType t) { return t == ScalarType::Float || t == ScalarType::BFloat16; }
+ArgTensor arg(const Tensor& t) {
+  ArgTensor a{dtype_name(t.scalar_type()), {}};
+  for (ssize_t i = 0; i < t.dim(); ++i) a.shape.push_back(t.size(i));
+  return a;
+}
 
 void check_matrix(const Tensor& q, const Tensor& sb, const std::string& name, int64_t e, int64_t n, int64_t k,
                   int64_t bits, int64_t gs) {
-  const std::string layout = check_layout(n, k, bits, gs);  // the packer's rule
-  check(layout.empty(), name, " ", layout);
-  expect(q, (name + "_qdata").c_str(), ScalarType::Byte, {e, n / 16, 16 * k * bits / 8});
-  const std::vector<int64_t> sb_shape{e, n / 16, 32 * (k / gs)};
-  check(is_sb_dtype(sb.scalar_type()) && has_shape(sb, sb_shape), name, "_sb must be float32 or bfloat16 ",
-        shape_str(sb_shape), ", got ", dtype_name(sb.scalar_type()), " ", shape_str(sb));
+  const std::string bad = check_packed_matrix(arg(q), arg(sb), name, e, n, k, bits, gs);
+  check(bad.empty(), bad);
 }
 
 QMatrix matrix(const Tensor& q, const Tensor& sb, int64_t n, int64_t k, int64_t bits, int64_t gs) {
@@ -184,18 +184,11 @@ void run(EValue** args, Tensor& out) {
   check(executorch::runtime::resize_tensor(out, x.sizes()) == Error::Ok, "out cannot be resized to ",
         shape_str(x), " (its planned size is ", shape_str(out), ")");
 
-  MoEArgs a;
-  a.x = x.const_data_ptr<float>();
-  a.tokens = x.size(0);
-  a.hidden = d;
-  a.router = router_weight.const_data_ptr<float>();
-  if (expert_bias) a.expert_bias = expert_bias->const_data_ptr<float>();
-  a.experts = e;
-  a.top_k = top_k;
-  a.score = sigmoid ? ScoreFunc::kSigmoid : ScoreFunc::kSoftmax;
-  a.route_scale = static_cast<float>(route_scale);
-  a.w13 = matrix(w13_qdata, w13_sb, 2 * f, d, bits, group_size);
-  a.w2 = matrix(w2_qdata, w2_sb, d, f, bits, group_size);
+  MoEArgs a = MoEArgs::routed(x.const_data_ptr<float>(), x.size(0), d, router_weight.const_data_ptr<float>(),
+                              expert_bias ? expert_bias->const_data_ptr<float>() : nullptr, e, top_k,
+                              sigmoid ? ScoreFunc::kSigmoid : ScoreFunc::kSoftmax, route_scale,
+                              matrix(w13_qdata, w13_sb, 2 * f, d, bits, group_size),
+                              matrix(w2_qdata, w2_sb, d, f, bits, group_size));
   if (given) {
     a.shared_w13 = matrix(*shared_w13_qdata, *shared_w13_sb, 2 * fs, d, shared_bits, shared_group_size);
     a.shared_w2 = matrix(*shared_w2_qdata, *shared_w2_sb, d, fs, shared_bits, shared_group_size);

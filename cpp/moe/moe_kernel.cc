@@ -76,6 +76,26 @@ std::string check_layout(int64_t n, int64_t k, int64_t bits, int64_t group_size)
   return "";
 }
 
+static std::string shape_str(const std::vector<int64_t>& shape) {
+  std::string out = "[";
+  for (size_t i = 0; i < shape.size(); ++i) out += (i ? ", " : "") + std::to_string(shape[i]);
+  return out + "]";
+}
+
+std::string check_packed_matrix(const ArgTensor& q, const ArgTensor& sb, const std::string& name, int64_t e,
+                                int64_t n, int64_t k, int64_t bits, int64_t group_size) {
+  const std::string layout = check_layout(n, k, bits, group_size);
+  if (!layout.empty()) return name + " " + layout;
+  const std::vector<int64_t> q_shape{e, n / 16, 16 * k * bits / 8};
+  if (q.dtype != "torch.uint8" || q.shape != q_shape)
+    return name + "_qdata must be torch.uint8 " + shape_str(q_shape) + ", got " + q.dtype + " " + shape_str(q.shape);
+  const std::vector<int64_t> sb_shape{e, n / 16, 32 * (k / group_size)};
+  if ((sb.dtype != "torch.float32" && sb.dtype != "torch.bfloat16") || sb.shape != sb_shape)
+    return name + "_sb must be float32 or bfloat16 " + shape_str(sb_shape) + ", got " + sb.dtype + " " +
+           shape_str(sb.shape);
+  return "";
+}
+
 void pack_matrix(const uint8_t* q, const float* scale, const float* bias, int64_t n, int64_t k,
                  int bits, int group_size, uint8_t* out_q, float* out_sb) {
   std::string err = check_layout(n, k, bits, group_size);

@@ -34,6 +34,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace llmq_moe {
 
@@ -88,6 +89,19 @@ struct QMatrix {
 // else a message saying what is wrong.
 std::string check_layout(int64_t n, int64_t k, int64_t bits, int64_t group_size);
 
+// What the op kernels' argument checks (moe_torch_op.cc, moe_executorch_op.cc) read of a tensor.
+struct ArgTensor {
+  std::string dtype;            // as Python prints it, e.g. "torch.uint8"
+  std::vector<int64_t> shape;
+};
+
+// The check both op kernels make of one packed matrix `name` (w13, w2, shared_w13, shared_w2) of a stack of
+// e: its layout (check_layout), <name>_qdata uint8 [e, n/16, 16*k*bits/8] and <name>_sb float32 or bfloat16
+// [e, n/16, 32*k/gs]. Returns an empty string when they fit, else the message (worded as check_moe_args in
+// python/llmq/ops/moe_op.py words it, without the "quantized_moe_ffn: " prefix).
+std::string check_packed_matrix(const ArgTensor& q, const ArgTensor& sb, const std::string& name, int64_t e,
+                                int64_t n, int64_t k, int64_t bits, int64_t group_size);
+
 // Canonical -> tiled. q: uint8 [N, K*bits/8] LSB-first bit stream, scale/bias float [N, K/gs].
 // out_q: N*K*bits/8 bytes, out_sb: 2*N*K/gs floats. Throws std::invalid_argument on bad layout.
 void pack_matrix(const uint8_t* q, const float* scale, const float* bias, int64_t n, int64_t k,
@@ -130,6 +144,13 @@ struct MoEArgs {
   int num_threads = 1;
   Isa isa = Isa::kAuto;
   Schedule schedule = Schedule::kAuto;
+
+  // The routed part over caller-owned buffers (expert_bias may be null); the rest keeps its defaults.
+  static MoEArgs routed(const float* x, int64_t tokens, int64_t hidden, const float* router,
+                        const float* expert_bias, int64_t experts, int64_t top_k, ScoreFunc score,
+                        double route_scale, const QMatrix& w13, const QMatrix& w2) {
+    return {x, tokens, hidden, router, expert_bias, experts, top_k, score, static_cast<float>(route_scale), w13, w2};
+  }
 };
 
 // Runs the op; out is [T, D] fp32. Throws std::invalid_argument on inconsistent arguments.

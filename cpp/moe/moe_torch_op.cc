@@ -56,8 +56,6 @@ void expect(const Tensor& t, const char* name, c10::ScalarType dtype, const std:
              shape_str(t.sizes()));
 }
 
-bool is_sb_dtype(c10::ScalarType t) { return t == at::kFloat || t == at::kBFloat16; }
-
 void check_sb_pair(const Tensor& a, const Tensor& b, const char* what) {
   LLMQ_CHECK(a.scalar_type() == b.scalar_type(), what,
              " w13_sb and w2_sb must share a dtype (float32 or bfloat16), got ", dtype_name(a.scalar_type()),
@@ -66,13 +64,9 @@ void check_sb_pair(const Tensor& a, const Tensor& b, const char* what) {
 
 void check_matrix(const Tensor& q, const Tensor& sb, const std::string& name, int64_t e, int64_t n, int64_t k,
                   int64_t bits, int64_t gs) {
-  const std::string layout = check_layout(n, k, bits, gs);  // the packer's rule
-  LLMQ_CHECK(layout.empty(), name, " ", layout);
-  expect(q, (name + "_qdata").c_str(), at::kByte, {e, n / 16, 16 * k * bits / 8});
-  const std::vector<int64_t> sb_shape{e, n / 16, 32 * (k / gs)};
-  LLMQ_CHECK(is_sb_dtype(sb.scalar_type()) && sb.sizes() == at::IntArrayRef(sb_shape), name,
-             "_sb must be float32 or bfloat16 ", shape_str(sb_shape), ", got ", dtype_name(sb.scalar_type()), " ",
-             shape_str(sb.sizes()));
+  const std::string bad = check_packed_matrix({dtype_name(q.scalar_type()), q.sizes().vec()},
+                                              {dtype_name(sb.scalar_type()), sb.sizes().vec()}, name, e, n, k, bits, gs);
+  LLMQ_CHECK(bad.empty(), bad);
 }
 
 void check_cpu(const Tensor& t, const char* name) {
@@ -149,22 +143,11 @@ Tensor quantized_moe_ffn_cpu(const Tensor& x, const Tensor& router_weight, const
   const Tensor xf = x.to(at::kFloat).contiguous();
   const Tensor router = router_weight.contiguous(), w13q = w13_qdata.contiguous(), w13s = w13_sb.contiguous(),
                w2q = w2_qdata.contiguous(), w2s = w2_sb.contiguous();
-  MoEArgs a;
-  a.x = xf.data_ptr<float>();
-  a.tokens = x.size(0);
-  a.hidden = d;
-  a.router = router.data_ptr<float>();
-  Tensor bias;
-  if (expert_bias) {
-    bias = expert_bias->contiguous();
-    a.expert_bias = bias.data_ptr<float>();
-  }
-  a.experts = e;
-  a.top_k = top_k;
-  a.score = sigmoid ? ScoreFunc::kSigmoid : ScoreFunc::kSoftmax;
-  a.route_scale = static_cast<float>(route_scale);
-  a.w13 = matrix(w13q, w13s, 2 * f, d, bits, group_size);
-  a.w2 = matrix(w2q, w2s, d, f, bits, group_size);
+  const Tensor bias = expert_bias ? expert_bias->contiguous() : Tensor();
+  MoEArgs a = MoEArgs::routed(xf.data_ptr<float>(), x.size(0), d, router.data_ptr<float>(),
+                              bias.defined() ? bias.data_ptr<float>() : nullptr, e, top_k,
+                              sigmoid ? ScoreFunc::kSigmoid : ScoreFunc::kSoftmax, route_scale,
+                              matrix(w13q, w13s, 2 * f, d, bits, group_size), matrix(w2q, w2s, d, f, bits, group_size));
   Tensor s13q, s13s, s2q, s2s, sgate;
   if (given) {
     s13q = shared_w13_qdata->contiguous(), s13s = shared_w13_sb->contiguous();

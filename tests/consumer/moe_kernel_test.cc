@@ -6,17 +6,6 @@
 
 #include "cpp/moe/moe_kernel.h"
 
-static llmq_moe::QMatrix matrix(const uint8_t* q, const float* sb, int64_t n, int64_t k, int bits, int gs) {
-  llmq_moe::QMatrix m;
-  m.qdata = q;
-  m.sb = sb;
-  m.n = n;
-  m.k = k;
-  m.bits = bits;
-  m.group_size = gs;
-  return m;
-}
-
 int main() {
   // Layout checks are part of the public API.
   if (!llmq_moe::check_layout(16, 32, 4, 32).empty()) {
@@ -48,8 +37,8 @@ int main() {
   a.router = router.data();
   a.experts = 1;
   a.top_k = 1;
-  a.w13 = matrix(t13.data(), sb13.data(), 2 * F2, D, bits, static_cast<int>(gs));
-  a.w2 = matrix(t2.data(), sb2.data(), D, F2, bits, static_cast<int>(gs));
+  a.w13 = llmq_moe::QMatrix::over(t13.data(), sb13.data(), false, 2 * F2, D, bits, gs);
+  a.w2 = llmq_moe::QMatrix::over(t2.data(), sb2.data(), false, D, F2, bits, gs);
   llmq_moe::moe_ffn(a, out.data());
 
   const double h = 1.0 / (1.0 + std::exp(-1.0));  // silu(1) * 1
