@@ -28,7 +28,7 @@ import torch
 from llmq.backend import BackendError, WriteJob, get_backend
 from llmq.checkpoint import checkpoint_shapes
 from llmq.quant import QuantRecipe, dequantize, is_quantized, load_recipe, quantize_stream
-from llmq.quant.formats import nbytes_of
+from llmq.quant.formats import get_format, nbytes_of
 from llmq.quant.report import ErrorReport
 from models.pipeline import sources, verify as verification
 from models.pipeline.calibration import calibrate
@@ -286,8 +286,9 @@ def _move_aside(path: str) -> str:
 
 
 def _check_recipe(recipe: QuantRecipe, recipe_name: str, arch: Architecture, config, expected) -> None:
-    """Before anything is written: every integer group size divides the dimension it groups, and
-    a recipe that quantizes nothing is said out loud."""
+    """Before anything is written: every tensor's format can quantize its shape (Format.shape_problem:
+    e.g. an integer group size divides the dimension it groups), and a recipe that quantizes nothing
+    is said out loud."""
     bound = recipe.bind(arch.num_layers(config))
     quantized = 0
     for name, shape in expected.shapes.items():
@@ -296,13 +297,9 @@ def _check_recipe(recipe: QuantRecipe, recipe_name: str, arch: Architecture, con
         if cfg is None:
             continue
         quantized += 1
-        if getattr(cfg, "format", "int") != "int" or not shape:
-            continue
-        k = shape[-1]
-        gs = cfg.group_size_for(k)
-        if gs <= 0 or k % gs:
-            raise UsageError(f"--recipe {recipe_name}: group_size={gs} does not divide the input dimension K={k} "
-                             f"of {name} (shape {list(shape)})")
+        problem = get_format(cfg.format).shape_problem(cfg, shape) if shape else None
+        if problem:
+            raise UsageError(f"--recipe {recipe_name}: {problem} of {name} (shape {list(shape)})")
     if quantized == 0:
         print(f"warning: --recipe {recipe_name}: no rule quantizes any of the model's {len(expected.shapes)} "
               "tensors; the output will hold them all unquantized", file=sys.stderr)

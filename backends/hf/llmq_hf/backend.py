@@ -19,6 +19,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tupl
 import torch
 
 from llmq.backend import WriteJob, register_backend
+from llmq.quant.formats import format_names, get_format
 
 _PER_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.\d+\.(?P<leaf>gate_proj|up_proj|down_proj)$")
 
@@ -81,9 +82,16 @@ def read_folder(path: str) -> Dict[str, torch.Tensor]:
 class HfExportBackend:
     takes_float = True
 
-    def __init__(self, style: str, name: str, description: str, accepts_formats: Tuple[str, ...]):
-        self.style, self.name, self.description, self.accepts_formats = style, name, description, accepts_formats
+    def __init__(self, style: str, name: str, description: str):
+        self.style, self.name, self.description = style, name, description
         self._summaries: Dict[str, Any] = {}
+
+    @property
+    def accepts_formats(self) -> Tuple[str, ...]:
+        """The registered formats whose HF export hook writes this style (asked of the registry at each
+        call, so a format registered later is written too)."""
+        return tuple(n for n in format_names(quantizable=True)
+                     if get_format(n).hf_export is not None and self.style in get_format(n).hf_export.styles)
 
     def write(self, stream: Iterable[Tuple[str, Any]], job: WriteJob) -> str:
         from llmq.export import write_hf_quantized_checkpoint
@@ -137,13 +145,10 @@ class HfExportBackend:
         return rows, result
 
 
-FP_FORMATS = ("fp8", "mxfp8", "mxfp4", "nvfp4")
-
 register_backend(HfExportBackend(
     "modelopt", "hf-modelopt",
     "a quantized Hugging Face folder in NVIDIA ModelOpt's layout (hf_quant_config.json; vLLM, TensorRT-LLM): "
-    "FP formats", FP_FORMATS))
+    "FP formats"))
 register_backend(HfExportBackend(
     "compressed-tensors", "hf-compressed-tensors",
-    "a quantized Hugging Face folder in the compressed-tensors layout (vLLM, transformers): FP and int formats",
-    FP_FORMATS + ("int",)))
+    "a quantized Hugging Face folder in the compressed-tensors layout (vLLM, transformers): FP and int formats"))

@@ -19,6 +19,7 @@ import warnings
 import torch
 
 from llmq.export import consumer_warnings, read_export, write_hf_quantized_checkpoint
+from llmq.quant.formats import get_format
 from llmq.quant.recipe import QuantConfig
 
 KEEP = ("lm_head", "embed_tokens", "mlp.gate")
@@ -93,7 +94,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as workdir:
         for style in ("modelopt", "compressed-tensors"):
             for fname, config in CONFIGS.items():
-                if style == "modelopt" and config.format == "int":
+                if style not in get_format(config.format).hf_export.styles:
                     continue
                 for mname, model in models.items():
                     print(_row(f"{fname}, {mname}", model, style, config, workdir), flush=True)

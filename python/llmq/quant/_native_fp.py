@@ -80,13 +80,16 @@ def quantize_fp8(w, granularity: str, scale=None, *, threads: Optional[int] = No
 
 def quantize_mx(w, fmt: str, *, threads: Optional[int] = None, isa: str = "auto"):
     """(codes uint8, scale_e8m0 uint8) shaped as fp.quantize_mx's, or None."""
+    from llmq.quant.fp import MX_ELEMENTS  # fp imports this module
+
     m = _native._load()
-    if m is None or fmt not in ("mxfp4", "mxfp8") or not _plain(w, 32):
+    element = MX_ELEMENTS.get(fmt)
+    if m is None or element is None or not _plain(w, 32):
         return None
     lead, k = tuple(w.shape[:-1]), w.shape[-1]
-    fp4 = fmt == "mxfp4"
+    fp4 = element.bits == 4  # the kernel's two element types: E2M1 or E4M3
     rows = _rows(w)
-    codes = torch.empty(lead + (k // 2 if fp4 else k,), dtype=torch.uint8)
+    codes = torch.empty(lead + (k * element.bits // 8,), dtype=torch.uint8)
     scales = torch.empty(lead + (k // 32,), dtype=torch.uint8)
     status = m.quantize_mx(
         rows.data_ptr(), _INPUT_NAMES[rows.dtype], rows.shape[0], k, fp4, codes.data_ptr(), scales.data_ptr(),

@@ -38,7 +38,7 @@ float32 roundings, so our numbers equal theirs bit for bit.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 
@@ -50,7 +50,6 @@ MX_BLOCK = 32
 NVFP4_BLOCK = 16
 FP8_BLOCK = 128
 FP8_GRANULARITIES = ("tensor", "channel", "block128")
-MX_FORMATS = ("mxfp4", "mxfp8")
 E8M0_BIAS = 127
 
 # E2M1 magnitudes by 3-bit code (bit 3 of a 4-bit code is the sign).
@@ -107,7 +106,7 @@ class MXWeight:
         if self.fmt not in MX_FORMATS:
             raise ValueError(f"MXWeight.fmt={self.fmt!r}; expected one of {MX_FORMATS}")
         lead, k = tuple(self.shape[:-1]), self.shape[-1]
-        row = k // 2 if self.fmt == "mxfp4" else k
+        row = k * MX_ELEMENTS[self.fmt].bits // 8
         if k % MX_BLOCK or self.codes.dtype != torch.uint8 or tuple(self.codes.shape) != lead + (row,):
             raise ValueError(f"MXWeight.codes must be uint8 {list(lead + (row,))} for shape {list(self.shape)}, got {self.codes.dtype} {list(self.codes.shape)}")
         if self.scale_e8m0.dtype != torch.uint8 or tuple(self.scale_e8m0.shape) != lead + (k // MX_BLOCK,):
@@ -254,6 +253,25 @@ def _fp8_cast(x: torch.Tensor) -> torch.Tensor:
     return x.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
 
 
+@dataclasses.dataclass(frozen=True)
+class MXElement:
+    """What an MX format's element type decides: its width, its largest magnitude (Emax) and how
+    values already divided by their block scale become uint8 codes [..., K*bits/8] and back."""
+
+    bits: int
+    emax: float
+    encode: Callable[[torch.Tensor], torch.Tensor]
+    decode: Callable[[torch.Tensor], torch.Tensor]  # codes -> float32 [..., K]
+
+
+MX_ELEMENTS = {
+    "mxfp4": MXElement(4, FP4_E2M1_MAX, lambda x: pack_fp4(e2m1_encode(x)), lambda c: e2m1_decode(unpack_fp4(c))),
+    "mxfp8": MXElement(8, FP8_E4M3_MAX, lambda x: _fp8_cast(x).view(torch.uint8),
+                       lambda c: c.view(torch.float8_e4m3fn).float()),
+}
+MX_FORMATS = tuple(MX_ELEMENTS)  # ("mxfp4", "mxfp8")
+
+
 def _positive(scale: torch.Tensor) -> torch.Tensor:
     return torch.where(scale > 0, scale, torch.ones_like(scale))
 
@@ -322,19 +340,19 @@ def quantize_mx(w: torch.Tensor, fmt: str, *, name: str = "<tensor>") -> MXWeigh
     native = _native_fp.quantize_mx(w, fmt)  # same bytes, compiled; None: use the reference below
     if native is not None:
         return MXWeight(codes=native[0], scale_e8m0=native[1], fmt=fmt, shape=tuple(w.shape), dtype=w.dtype)
-    if fmt not in MX_FORMATS:
+    element = MX_ELEMENTS.get(fmt)
+    if element is None:
         raise ValueError(f"{name}: MX format {fmt!r} unknown; expected one of {MX_FORMATS}")
     _check_input(w, name, MX_BLOCK, fmt.upper())
     k = w.shape[-1]
     rows = w.reshape(-1, k)
-    emax = FP4_E2M1_MAX if fmt == "mxfp4" else FP8_E4M3_MAX
-    codes = torch.empty((rows.shape[0], k // 2 if fmt == "mxfp4" else k), dtype=torch.uint8)
+    codes = torch.empty((rows.shape[0], k * element.bits // 8), dtype=torch.uint8)
     scales = torch.empty((rows.shape[0], k // MX_BLOCK), dtype=torch.uint8)
     for a, b in _row_chunks(rows.shape[0], k):
         x = rows[a:b].float().reshape(b - a, k // MX_BLOCK, MX_BLOCK)
-        e8 = (mx_exponent(x.abs().amax(dim=-1), emax) + E8M0_BIAS).to(torch.uint8)
+        e8 = (mx_exponent(x.abs().amax(dim=-1), element.emax) + E8M0_BIAS).to(torch.uint8)
         scaled = (x / e8m0_decode(e8).unsqueeze(-1)).reshape(b - a, k)  # exact: a power of two
-        codes[a:b] = pack_fp4(e2m1_encode(scaled)) if fmt == "mxfp4" else _fp8_cast(scaled).view(torch.uint8)
+        codes[a:b] = element.encode(scaled)
         scales[a:b] = e8
     lead = tuple(w.shape[:-1])
     return MXWeight(codes=codes.reshape(lead + (codes.shape[-1],)), scale_e8m0=scales.reshape(lead + (k // MX_BLOCK,)), fmt=fmt, shape=tuple(w.shape), dtype=w.dtype)
@@ -401,11 +419,7 @@ def dequantize_fp(w, dtype: torch.dtype = torch.float32) -> torch.Tensor:
             out = x * w.scale.reshape(w.scale.shape + (1,) * min(2, x.dim()))
     elif isinstance(w, MXWeight):
         k = w.shape[-1]
-        if w.fmt == "mxfp4":
-            values = e2m1_decode(unpack_fp4(w.codes))
-        else:
-            values = w.codes.view(torch.float8_e4m3fn).float()
-        values = values.reshape(*w.shape[:-1], k // MX_BLOCK, MX_BLOCK)
+        values = MX_ELEMENTS[w.fmt].decode(w.codes).reshape(*w.shape[:-1], k // MX_BLOCK, MX_BLOCK)
         out = (values * e8m0_decode(w.scale_e8m0).unsqueeze(-1)).reshape(w.shape)
     elif isinstance(w, NVFP4Weight):
         k = w.shape[-1]

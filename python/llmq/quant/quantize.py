@@ -26,8 +26,8 @@ from typing import Optional, Tuple
 import torch
 
 from llmq.quant import _native, hqq, search
-from llmq.quant.formats import GroupQuantizedWeight, format_of, get_format, pack_bits
-from llmq.quant.recipe import INT_FORMAT, QuantConfig
+from llmq.quant.formats import GroupQuantizedWeight, IntAffineFormat, format_of, get_format, pack_bits
+from llmq.quant.recipe import QuantConfig
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -157,16 +157,14 @@ def quantize_weight(w: torch.Tensor, config: QuantConfig, *, name: str = "<tenso
     if importance is not None:
         if not takes_importance(config):
             raise ValueError(f"{name}: importance weights apply to format 'int' with method 'hqq' or 'search' only, got {config.describe()!r}")
-        return quantize_int_weight(w, config, name=name, importance=importance)
+        return get_format(config.format).quantize(w, config, name=name, importance=importance)
     return get_format(config.format).quantize(w, config, name=name)
 
 
-IMPORTANCE_METHODS = ("hqq", "search")
-
-
 def takes_importance(config: QuantConfig) -> bool:
-    """Whether quantize_weight(..., importance=) applies to `config` (format "int", method "hqq" or "search")."""
-    return config.format == INT_FORMAT and config.method in IMPORTANCE_METHODS
+    """Whether quantize_weight(..., importance=) applies to `config`: its method is one of its
+    format's `importance_methods` (format "int", method "hqq" or "search")."""
+    return config.method in get_format(config.format).importance_methods
 
 
 def _check_importance(importance, k: int, name: str) -> torch.Tensor:
@@ -202,7 +200,7 @@ def quantize_int_weight(w: torch.Tensor, config: QuantConfig, *, name: str = "<t
 def quantize_weight_torch(w: torch.Tensor, config: QuantConfig, *, name: str = "<tensor>") -> GroupQuantizedWeight:
     """quantize_weight for integer formats by the torch reference path only (never the
     compiled kernel): what the kernel is tested against, bit for bit."""
-    if isinstance(config, QuantConfig) and config.format != INT_FORMAT:
+    if isinstance(config, QuantConfig) and not isinstance(get_format(config.format), IntAffineFormat):
         raise ValueError(f"{name}: quantize_weight_torch handles integer formats only, got {config.format!r}")
     gs = _check_weight(w, config, name)
     return _assemble(w, config, gs, _quantize_torch(w, config, gs, name))

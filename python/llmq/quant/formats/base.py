@@ -50,6 +50,9 @@ class Format(abc.ABC):
     can_quantize: bool = True  # False for import-only families (GGUF block types)
     has_quantized_module: bool = False  # QuantizedLinear / QuantizedEmbedding can hold it
     methods: Tuple[str, ...] = ("minmax",)  # the QuantConfig.method values its quantize takes
+    # The methods whose quantize also takes importance= (positive weights [K], one per input
+    # channel, that the method's error is weighted by); quantize_weight refuses importance elsewhere.
+    importance_methods: Tuple[str, ...] = ()
     # Optional: how the family is written into Hugging Face folders (an HFExport, hf_export.py);
     # None where it is not exportable.
     hf_export: Optional[Any] = None
@@ -61,9 +64,15 @@ class Format(abc.ABC):
         Called by QuantConfig after the format-independent fields are checked."""
 
     # -- numbers ----------------------------------------------------------------------------------
+    def shape_problem(self, config: Any, shape: Tuple[int, ...]) -> Optional[str]:
+        """What stops `config` from quantizing a weight of `shape` (e.g. a group size that does not
+        divide K), as a phrase, or None; checked for every tensor before a run writes anything."""
+        return None
+
     @abc.abstractmethod
     def quantize(self, w: torch.Tensor, config: Any, *, name: str = "<tensor>") -> Any:
-        """Quantize a 1-D, 2-D or 3-D float weight along its last dimension into `container`."""
+        """Quantize a 1-D, 2-D or 3-D float weight along its last dimension into `container`
+        (formats with `importance_methods` also take ``importance=``, a tensor or None)."""
 
     @abc.abstractmethod
     def dequantize(self, value: Any, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
@@ -293,6 +293,7 @@ class IntAffineFormat(Format):
     container = GroupQuantizedWeight
     has_quantized_module = True
     methods = ("minmax", "search", "hqq")  # llmq.quant.quantize / search / hqq
+    importance_methods = ("hqq", "search")
     hf_export = IntAffineHFExport()
     # Bundles store this family as {"kind": "group_quantized", "bits", "group_size", ...}, the
     # record every bundle version has used for it (so integer bundles stay byte-identical).
@@ -309,10 +310,16 @@ class IntAffineFormat(Format):
                 f"QuantConfig.scale_dtype={config.scale_dtype} unsupported for format 'int'; the canonical form stores float32 scales"
             )
 
-    def quantize(self, w: torch.Tensor, config: Any, *, name: str = "<tensor>") -> GroupQuantizedWeight:
+    def shape_problem(self, config: Any, shape: Tuple[int, ...]) -> Optional[str]:
+        k = shape[-1]
+        gs = config.group_size_for(k)
+        return None if gs > 0 and k % gs == 0 else f"group_size={gs} does not divide the input dimension K={k}"
+
+    def quantize(self, w: torch.Tensor, config: Any, *, name: str = "<tensor>",
+                 importance: Optional[torch.Tensor] = None) -> GroupQuantizedWeight:
         from llmq.quant.quantize import quantize_int_weight  # quantize.py imports this package
 
-        return quantize_int_weight(w, config, name=name)
+        return quantize_int_weight(w, config, name=name, importance=importance)
 
     def dequantize(self, value: GroupQuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize_canonical(value, dtype)
