@@ -92,6 +92,18 @@ def test_bundle_bytes_equal_whole_tensor_path(tmp_path, config):
     assert seen["model.layers.0.self_attn.q_proj.weight"] is torch.Tensor  # under CHUNK: whole
 
 
+@pytest.mark.parametrize("config", ["int4_g32_asym", "nvfp4"])
+def test_bundle_bytes_equal_with_a_dtype_cast(tmp_path, config):
+    """iter_checkpoint(dtype=) casts block by block: the same bytes as casting whole tensors."""
+    src = _checkpoint(str(tmp_path))
+    recipe = QuantRecipe([QuantRule(r".*_proj", CONFIGS[config])])
+    whole = _bundle(src, str(tmp_path / "whole"), recipe, None, dtype=torch.float16)
+    seen = {}
+    chunked = _bundle(src, str(tmp_path / "chunked"), recipe, CHUNK, seen, dtype=torch.float16)
+    assert seen["model.layers.0.mlp.down_proj.weight"] is QuantizedRowBlocks
+    assert chunked == whole
+
+
 def test_per_tensor_scale_is_the_whole_tensors(tmp_path):
     """FP8 per tensor and NVFP4: the amax comes from one block only; every block uses it."""
     src = _checkpoint(str(tmp_path))
