@@ -9,6 +9,7 @@ phase's own):
   stream    iter_checkpoint -> llmq.quant.quantize_stream (INT4, g32, asymmetric) ->
             save_bundle: throughput (GB of input per second; median and best of --repeat
             fresh processes, this machine being shared) and peak RSS (the worst run's).
+            Tensors over --chunk-mb travel as blocks of rows (iter_checkpoint chunk_bytes).
   torchao   the usual way: load every shard whole (safetensors.torch.load_file), assign
             into a model, torchao.quantize_(IntxWeightOnlyConfig(int4, PerGroup(32))).
   fp        iter_checkpoint -> llmq.export (ModelOpt-style NVFP4 and FP8 per-channel folder,
@@ -203,10 +204,11 @@ def int4_recipe():
     return QuantRecipe([QuantRule(r"model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj", cfg)])
 
 
-def phase_stream(ckpt: str, out: str, fsync: bool, quantize: bool = True, max_shard_bytes: int = 0) -> dict:
+def phase_stream(ckpt: str, out: str, fsync: bool, quantize: bool = True, max_shard_bytes: int = 0,
+                 chunk_bytes: int = 0) -> dict:
     """read -> (INT4 quantize_stream) -> save_bundle; quantize=False measures the I/O path alone.
 
-    max_shard_bytes=0 keeps save_bundle's default."""
+    max_shard_bytes=0 keeps save_bundle's default; chunk_bytes=0 reads every tensor whole."""
     from llmq.checkpoint import iter_checkpoint, save_bundle
     from llmq.quant import quantize_stream
 
@@ -215,7 +217,7 @@ def phase_stream(ckpt: str, out: str, fsync: bool, quantize: bool = True, max_sh
     shutil.rmtree(out, ignore_errors=True)
     base = rss_bytes()
     t0 = time.perf_counter()
-    items = iter_checkpoint(ckpt)
+    items = iter_checkpoint(ckpt, chunk_bytes=chunk_bytes or None)
     if quantize:
         items = quantize_stream(items, recipe)
     kwargs = {"max_shard_bytes": max_shard_bytes} if max_shard_bytes else {}
@@ -276,7 +278,7 @@ def phase_torchao(ckpt: str) -> dict:
 FP_CONFIGS = {"nvfp4": {"format": "nvfp4"}, "fp8": {"format": "fp8", "granularity": "channel"}}
 
 
-def phase_fp(ckpt: str, out: str, fmt: str) -> dict:
+def phase_fp(ckpt: str, out: str, fmt: str, chunk_bytes: int = 0) -> dict:
     """read -> FP quantization -> ModelOpt-style HF folder (llmq.export's streaming shard writer)."""
     from llmq.checkpoint import iter_checkpoint
     from llmq.export import write_hf_quantized_checkpoint
@@ -286,7 +288,8 @@ def phase_fp(ckpt: str, out: str, fmt: str) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     base = rss_bytes()
     t0 = time.perf_counter()
-    s = write_hf_quantized_checkpoint(out, iter_checkpoint(ckpt), lambda fqn: config, style="modelopt",
+    s = write_hf_quantized_checkpoint(out, iter_checkpoint(ckpt, chunk_bytes=chunk_bytes or None), lambda fqn: config,
+                                      style="modelopt",
                                       max_shard_bytes=SHARD_BYTES * 2, overwrite=True)
     dt = time.perf_counter() - t0
     return {"seconds": dt, "baseline_rss": base, "peak_rss": peak_rss_bytes(), "out_bytes": s.output_bytes}
@@ -348,6 +351,9 @@ def main(argv=None) -> int:
     p.add_argument("--keep", action="store_true", help="keep the generated files")
     p.add_argument("--max-shard-mb", type=int, default=0,
                    help="output shard size for the stream phases (default: save_bundle's, 2 GiB)")
+    p.add_argument("--chunk-mb", type=int, default=16,
+                   help="stream and fp phases: tensors over this many MiB travel as blocks of rows of at most "
+                        "this size (iter_checkpoint chunk_bytes); 0 reads every tensor whole")
     p.add_argument("--no-fsync-row", action="store_true",
                    help="also time the INT4 stream with fsync=False (how much the disk costs)")
     p.add_argument("--repeat", type=int, default=3,
@@ -390,7 +396,7 @@ def main(argv=None) -> int:
                 shard_note = f", {a.max_shard_mb} MiB shards" if a.max_shard_mb else ""
                 for quantize, fsync in variants:
                     out = os.path.join(a.workdir, f"bundle_{size:g}gb")
-                    runs = [run_phase("stream", ckpt, out, fsync, quantize, a.max_shard_mb << 20)
+                    runs = [run_phase("stream", ckpt, out, fsync, quantize, a.max_shard_mb << 20, a.chunk_mb << 20)
                             for _ in range(max(1, a.repeat))]
                     secs = sorted(r["seconds"] for r in runs)
                     s = max(runs, key=lambda r: r["peak_rss"] - r["baseline_rss"])  # the worst run's memory
@@ -413,7 +419,7 @@ def main(argv=None) -> int:
             if "fp" not in skip:
                 for fmt in FP_CONFIGS:
                     out = os.path.join(a.workdir, f"fp_{size:g}gb")
-                    runs = [run_phase("fp", ckpt, out, fmt) for _ in range(max(1, a.repeat))]
+                    runs = [run_phase("fp", ckpt, out, fmt, a.chunk_mb << 20) for _ in range(max(1, a.repeat))]
                     secs = sorted(r["seconds"] for r in runs)
                     s = max(runs, key=lambda r: r["peak_rss"] - r["baseline_rss"])
                     print(f"read -> {fmt} -> ModelOpt HF folder: {gb / statistics.median(secs):.2f} GB/s median, "

@@ -54,7 +54,8 @@ from llmq.checkpoint.errors import (
 )
 from llmq.checkpoint.fileio import copy_file, fsync_path, remove_partial, write_all, write_error, write_file_atomic
 from llmq.checkpoint.safetensors_io import DTYPE_NAMES
-from llmq.checkpoint.shard_file import ShardLayout, ShardRotation
+from llmq.checkpoint.shard_file import ShardLayout, ShardRotation, block_writes, placeholder
+from llmq.quant.chunked import QuantizedRowBlocks, RowBlocks, is_row_blocks
 from llmq.quant.formats import Format, format_of, format_names, get_format
 
 Value = Any  # a torch.Tensor or a quantized weight of any registered format (llmq.quant.formats)
@@ -154,18 +155,31 @@ def _describe(fqn: str, value: Value) -> Tuple[Dict[str, Any], List[Tuple[str, t
 
     A quantized weight is described by its format (llmq.quant.formats): the tensors it stores
     become entries ``<fqn>.<role>``; a family with a ``bundle_kind`` (the integer one) keeps its
-    flat version-2 record, every other one is ``{"kind": "quantized", "format", "params", ...}``."""
+    flat version-2 record, every other one is ``{"kind": "quantized", "format", "params", ...}``.
+    An item that arrives in row blocks (llmq.quant.chunked) is described from its shape and
+    dtype alone: its parts are placeholders whose bytes are written block by block."""
     fmt = format_of(value)
-    if fmt is not None:
-        stored = fmt.stored(value)
+    if fmt is not None or isinstance(value, QuantizedRowBlocks):
+        if fmt is not None:
+            stored = fmt.stored(value)
+            name, params, shape = fmt.name_of(value), fmt.params(value), fmt.shape_of(value)
+        else:
+            fmt, name, params, shape = value.fmt, value.name, value.params, value.shape
+            stored = {role: placeholder(dtype, part_shape) for role, dtype, part_shape in value.parts_layout()}
         entries = {role: f"{fqn}.{role}" for role in stored}
-        common = {"shape": list(fmt.shape_of(value)), "dtype": _dtype_name(value.dtype), "entries": entries}
+        common = {"shape": list(shape), "dtype": _dtype_name(value.dtype), "entries": entries}
         kind = getattr(fmt, "bundle_kind", None)
         if kind is not None:
-            record = {"kind": kind, **fmt.params(value), **common}
+            record = {"kind": kind, **params, **common}
         else:
-            record = {"kind": "quantized", "format": fmt.name_of(value), "params": fmt.params(value), **common}
+            record = {"kind": "quantized", "format": name, "params": params, **common}
         return record, [(entries[role], t) for role, t in stored.items()]
+    if isinstance(value, RowBlocks):
+        if value.dtype not in DTYPE_NAMES:
+            raise TypeError(f"tensor {fqn!r}: dtype {value.dtype} cannot be stored in a bundle")
+        record = {"kind": "dense", "dtype": _dtype_name(value.dtype), "shape": list(value.shape),
+                  "entries": {"data": fqn}}
+        return record, [(fqn, placeholder(value.dtype, value.shape))]
     if isinstance(value, torch.Tensor):
         if value.dtype not in DTYPE_NAMES:
             raise TypeError(f"tensor {fqn!r}: dtype {value.dtype} cannot be stored in a bundle")
@@ -610,8 +624,29 @@ class BundleWriter:
         if shard.header_overflows():  # one item with more entries than the reserve holds
             raise TensorMismatchError(f"needs a header larger than the {self.rotation.reserve}-byte reserve; "
                                       "raise max_shard_bytes", path=self.out_dir, tensor=fqn)
+        if is_row_blocks(value):
+            self._add_row_blocks(shard, record["entries"], writes, value)
+            return
+        self._submit(shard, writes)
+
+    def _submit(self, shard: "_ShardBuilder", writes: List[Tuple[str, int, memoryview]]) -> None:
         self._writer.submit(lambda: _discard_on_error(shard, shard.write, writes, self._syncer),
                             sum(len(mv) for _, _, mv in writes))
+
+    def _add_row_blocks(self, shard: "_ShardBuilder", entries: Dict[str, str],
+                        placed: List[Tuple[str, int, Any]], value: Any) -> None:
+        """Queue an item's bytes block by block as it reads (and quantizes) them. The item is
+        already placed in the shard, so a failure here (a read error, NaN/Inf in a later block)
+        aborts the writer: the unfinished shard is dropped, finished ones kept for a resume."""
+        offsets = {name: offset for name, offset, _ in placed}
+        where = {role: (name, offsets[name], shard.layout.sizes[name]) for role, name in entries.items()}
+        try:
+            for r0, r1, parts in value.row_parts():
+                self._submit(shard, block_writes(where, value.rows, r0, r1, parts))
+                del parts
+        except BaseException:
+            self.abort()
+            raise
 
     def _close_shard(self) -> None:
         shard, header = self._shard, self._shard.header()

@@ -25,9 +25,10 @@ from llmq.checkpoint.errors import (
 )
 from llmq.checkpoint.tensor_sources import Source, open_source
 from llmq.quant import _native
+from llmq.quant.chunked import RowBlocks
 from llmq.quant.formats import GroupQuantizedWeight
 
-Value = Union[torch.Tensor, GroupQuantizedWeight]
+Value = Union[torch.Tensor, GroupQuantizedWeight, RowBlocks]
 KeyMap = Union[Mapping[str, Optional[str]], Callable[[str], Optional[str]], None]
 Convert = Optional[Callable[[str, Value], Optional[Value]]]
 
@@ -77,9 +78,12 @@ def find_nonfinite(name: str, value: Value, policy: str) -> List[Tuple[str, str]
     for part_name, t in parts:
         n_nan, n_inf = count_nonfinite(t)
         if n_nan or n_inf:
-            found.append((part_name, f"holds {n_nan} NaN and {n_inf} Inf values; pass nonfinite='allow' or "
-                                     "'warn' to accept them"))
+            found.append((part_name, _nonfinite_message(n_nan, n_inf)))
     return found
+
+
+def _nonfinite_message(n_nan: int, n_inf: int) -> str:
+    return f"holds {n_nan} NaN and {n_inf} Inf values; pass nonfinite='allow' or 'warn' to accept them"
 
 
 def report_nonfinite(found: List[Tuple[str, str]], policy: str, *, path: str) -> None:
@@ -94,13 +98,60 @@ def check_finite(name: str, value: Value, policy: str, *, path: str) -> None:
 
 
 def _cast(value: Value, dtype: Optional[torch.dtype]) -> Value:
-    if dtype is None:
+    if dtype is None or isinstance(value, RowBlocks):  # row blocks are cast block by block
         return value
     if isinstance(value, GroupQuantizedWeight):
         return dataclasses.replace(value, dtype=dtype)
     if value.dtype in _CASTABLE and value.dtype != dtype:
         return value.to(dtype)
     return value
+
+
+class _CheckpointRows(RowBlocks):
+    """One tensor of a checkpoint yielded as blocks of rows (``iter_checkpoint(chunk_bytes=)``).
+
+    Each block is read into fresh memory when asked for, NaN/Inf-checked and cast as the whole
+    tensor would be, so the bytes are the whole tensor's. The NaN/Inf error names the whole
+    tensor's counts: at the first block holding one, the rest is counted before raising, and
+    nothing of that block is yielded; under "warn" the warning comes after the last block.
+    Readable until the iterator that yielded it is closed."""
+
+    def __init__(self, source: Source, name: str, out: str, stored_dtype: torch.dtype,
+                 read_rows: Callable[[int, int], torch.Tensor], dtype: Optional[torch.dtype], nonfinite: str,
+                 chunk_bytes: int):
+        shape = source.shape(name)
+        row_bytes = source.nbytes(name) // shape[0]
+        self._cast_to = dtype if dtype is not None and stored_dtype in _CASTABLE else None
+        super().__init__(shape, self._cast_to or stored_dtype, chunk_bytes // max(1, row_bytes))
+        self._source, self._name, self._out = source, name, out
+        self._read_rows, self._nonfinite = read_rows, nonfinite
+
+    def _report(self, n_nan: int, n_inf: int, policy: str) -> None:
+        report_nonfinite([(self._out, _nonfinite_message(n_nan, n_inf))], policy, path=self._source.path)
+
+    def blocks(self, multiple: int = 1, *, check: bool = True):
+        policy = self._nonfinite if check else "allow"
+        bounds = list(self.bounds(multiple))
+        n_nan = n_inf = 0
+        for i, (r0, r1) in enumerate(bounds):
+            block = self._read_rows(r0, r1)
+            if policy != "allow":
+                a, b = count_nonfinite(block)
+                n_nan, n_inf = n_nan + a, n_inf + b
+                if (a or b) and policy == "error":
+                    for r2, r3 in bounds[i + 1:]:
+                        a, b = count_nonfinite(self._read_rows(r2, r3))
+                        n_nan, n_inf = n_nan + a, n_inf + b
+                    self._report(n_nan, n_inf, policy)
+            yield r0, block if self._cast_to is None else _cast(block, self._cast_to)
+            del block
+        if n_nan or n_inf:
+            self._report(n_nan, n_inf, policy)
+
+    def whole(self) -> torch.Tensor:
+        value = self._source.read(self._name)
+        report_nonfinite(find_nonfinite(self._out, value, self._nonfinite), self._nonfinite, path=self._source.path)
+        return _cast(value, self._cast_to)
 
 
 @dataclasses.dataclass
@@ -253,7 +304,8 @@ class _ReadAhead:
 def iter_checkpoint(path: os.PathLike, *, key_map: KeyMap = None, convert: Convert = None,
                     dtype: Optional[torch.dtype] = None, tied: Optional[Mapping[str, str]] = None,
                     nonfinite: str = "error", read_ahead: int = 1,
-                    read_ahead_bytes: Optional[int] = None) -> Iterator[Tuple[str, Value]]:
+                    read_ahead_bytes: Optional[int] = None,
+                    chunk_bytes: Optional[int] = None) -> Iterator[Tuple[str, Value]]:
     """Yield ``(fqn, tensor)`` one at a time from a safetensors file, an HF folder or a GGUF file.
 
     key_map: a mapping (names not in it pass through; a None value drops the tensor)
@@ -274,6 +326,12 @@ def iter_checkpoint(path: os.PathLike, *, key_map: KeyMap = None, convert: Conve
         the tensor before it (the one the caller holds) are at most this; a larger pair
         is read in turn, when the caller asks. None (default): 5% of the checkpoint's
         bytes, at least 64 MiB, so read-ahead memory stays a small fraction of the input.
+    chunk_bytes: None (default) yields every tensor whole. An int: a safetensors tensor of more
+        than this many bytes is yielded as a RowBlocks (llmq.quant.chunked) instead, which
+        reads it when asked, a block of whole rows (at most chunk_bytes, at least one row) at a
+        time, each checked and cast as above; quantize_stream, save_bundle and the Hugging
+        Face export write it block by block with the same bytes. It is never read ahead.
+        Not with convert= (which expects whole tensors).
 
     Every problem with the input raises a CheckpointError naming the file and tensor.
     """
@@ -281,15 +339,30 @@ def iter_checkpoint(path: os.PathLike, *, key_map: KeyMap = None, convert: Conve
         raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
     if not isinstance(read_ahead, int) or isinstance(read_ahead, bool) or read_ahead < 0:
         raise ValueError(f"read_ahead must be an int >= 0, got {read_ahead!r}")
+    if chunk_bytes is not None:
+        if not isinstance(chunk_bytes, int) or isinstance(chunk_bytes, bool) or chunk_bytes <= 0:
+            raise ValueError(f"chunk_bytes must be a positive int or None, got {chunk_bytes!r}")
+        if convert is not None:
+            raise ValueError("chunk_bytes cannot be combined with convert= (convert takes whole tensors)")
     path = os.fspath(path)
     plan = _plan(path, key_map, tied)
 
+    def row_reader(name: str):
+        if chunk_bytes is None or (plan.source.nbytes(name) or 0) <= chunk_bytes:
+            return None
+        return plan.source.row_reader(name)
+
     def read(name: str, out: str) -> Tuple[Value, List[Tuple[str, str]]]:
+        rows = row_reader(name)
+        if rows is not None:  # read (and checked) block by block when the consumer asks
+            return _CheckpointRows(plan.source, name, out, *rows, dtype, nonfinite, chunk_bytes), []
         value = plan.source.read(name, dtype=dtype)
         return value, find_nonfinite(out, value, nonfinite)
 
     if read_ahead:
-        sizes = [plan.source.nbytes(name) for name, _ in plan.renames]
+        # What each item holds while the consumer has it: row blocks hold one block at a time.
+        sizes = [min(plan.source.nbytes(name) or 0, chunk_bytes) if row_reader(name) else plan.source.nbytes(name)
+                 for name, _ in plan.renames]
         if read_ahead_bytes is None:
             read_ahead_bytes = max(DEFAULT_READ_AHEAD_MIN_BYTES, sum(s or 0 for s in sizes) // 20)
         ahead = _ReadAhead(plan.renames, read, read_ahead, sizes, read_ahead_bytes)

@@ -379,6 +379,17 @@ class SafetensorsFile(OpenReadOnly):
             pread_exact(self._fd, memoryview(raw.numpy()), e.start, path=self.path, tensor=name)
         return raw.view(e.dtype).reshape(e.shape)
 
+    def read_rows(self, name: str, r0: int, r1: int) -> torch.Tensor:
+        """Rows r0:r1 (along the first dimension) of a tensor of at least one dimension."""
+        e = self.header.entries[name]
+        if self._fd is None:
+            raise CheckpointNotFoundError("file already closed", path=self.path, tensor=name)
+        row_bytes = e.nbytes // e.shape[0]
+        raw = alloc_bytes((r1 - r0) * row_bytes)
+        if len(raw):
+            pread_exact(self._fd, memoryview(raw.numpy()), e.start + r0 * row_bytes, path=self.path, tensor=name)
+        return raw.view(e.dtype).reshape((r1 - r0,) + tuple(e.shape[1:]))
+
     def __iter__(self) -> Iterator[Tuple[str, torch.Tensor]]:
         for name in self.header.entries:
             yield name, self.read(name)

@@ -13,6 +13,10 @@ therefore needs the whole shard in memory first.
 `accepts` (`fits` for one tensor) says whether a tensor can join the file: the size limit, natural alignment (the data
 may not contain holes, so a tensor whose offset would not be a multiple of its element size
 starts a new file) and room in the header gap.
+
+A tensor that arrives in blocks of rows (llmq.quant.chunked: `RowBlocks`, `QuantizedRowBlocks`)
+is placed from its shape and dtype alone (`placeholder`), and its bytes are written block by
+block at the offsets `block_writes` computes, so only one block is in memory.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ import torch
 from llmq.checkpoint.fileio import remove_partial, write_all, write_error
 from llmq.checkpoint.safetensors_io import encode_header, entry_fragment_size, header_json_size
 
-__all__ = ["ShardLayout", "ShardRotation", "StreamingShardFile", "header_reserve", "hf_shard_names", "tensor_bytes"]
+__all__ = ["ShardLayout", "ShardRotation", "StreamingShardFile", "block_writes", "header_reserve", "hf_shard_names",
+           "placeholder", "tensor_bytes"]
 
 
 def header_reserve(max_shard_bytes: int) -> int:
@@ -75,6 +80,35 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
+def placeholder(dtype: torch.dtype, shape) -> torch.Tensor:
+    """A tensor of this dtype and shape without data (device "meta"), to place in a layout
+    before its bytes exist; `ShardLayout.place` returns None for its bytes."""
+    return torch.empty(tuple(shape), dtype=dtype, device="meta")
+
+
+def block_writes(where: Dict[str, Tuple[str, int, int]], rows: int, r0: int, r1: int,
+                 parts: Dict[str, torch.Tensor]) -> List[Tuple[str, int, memoryview]]:
+    """(name, file offset, bytes) for one block of rows r0:r1 of an item of `rows` rows.
+
+    where: role -> (stored name, file offset, total bytes) of each placed part. A part whose
+    block holds its share of the rows ((r1 - r0) / rows of its bytes) goes at that share's
+    offset; one whose block holds all of it (a per-tensor scale) is written with the first
+    block only."""
+    writes = []
+    for role, t in parts.items():
+        name, offset, total = where[role]
+        mv = tensor_bytes(t)
+        if len(mv) * rows == total * (r1 - r0) and (total * r0) % rows == 0:
+            writes.append((name, offset + total * r0 // rows, mv))
+        elif len(mv) == total:
+            if r0 == 0:
+                writes.append((name, offset, mv))
+        else:
+            raise ValueError(f"tensor {name!r}: rows {r0}:{r1} of {rows} gave {len(mv)} bytes, neither their share "
+                             f"of its {total} bytes nor all of them")
+    return writes
+
+
 class ShardLayout:
     """Where each tensor goes in one safetensors file whose data follows a `reserve`-byte
     header gap: data back to back in placement order, and the header that describes it.
@@ -108,18 +142,20 @@ class ShardLayout:
             offset += n
         return offset <= max_bytes and header_json_size(self.metadata, fragments) <= self.reserve - 8
 
-    def place(self, parts: List[Tuple[str, torch.Tensor]]) -> List[Tuple[str, int, memoryview]]:
-        """Reserve room for the parts, in order; return (name, file offset, bytes) for each."""
+    def place(self, parts: List[Tuple[str, torch.Tensor]]) -> List[Tuple[str, int, Optional[memoryview]]]:
+        """Reserve room for the parts, in order; return (name, file offset, bytes) for each (bytes
+        None for a `placeholder`)."""
         writes = []
         for name, t in parts:
             if name in self.sizes:
                 raise ValueError(f"tensor {name!r} written twice")
-            mv = tensor_bytes(t)
-            self._fragments.append(entry_fragment_size(name, t.dtype, tuple(t.shape), self.nbytes, self.nbytes + len(mv)))
-            self._entries.append((name, t.dtype, tuple(t.shape), len(mv)))
+            mv = None if t.device.type == "meta" else tensor_bytes(t)
+            n = t.numel() * t.element_size()
+            self._fragments.append(entry_fragment_size(name, t.dtype, tuple(t.shape), self.nbytes, self.nbytes + n))
+            self._entries.append((name, t.dtype, tuple(t.shape), n))
             writes.append((name, self.reserve + self.nbytes, mv))
-            self.sizes[name] = len(mv)
-            self.nbytes += len(mv)
+            self.sizes[name] = n
+            self.nbytes += n
         return writes
 
     def header_overflows(self) -> bool:
@@ -128,6 +164,14 @@ class ShardLayout:
     def header(self) -> bytes:
         """The header, padded with spaces to fill the gap exactly."""
         return encode_header(self._entries, self.metadata, pad_to=self.reserve - 8)
+
+
+def _as_placed(t) -> torch.Tensor:
+    """t itself, or for a dense item that arrives in row blocks a `placeholder` of its shape."""
+    if isinstance(t, torch.Tensor):
+        return t
+    (_, dtype, shape), = t.parts_layout()
+    return placeholder(dtype, shape)
 
 
 class StreamingShardFile(ShardLayout):
@@ -141,24 +185,53 @@ class StreamingShardFile(ShardLayout):
 
     def fits(self, name: str, t: torch.Tensor, max_bytes: int) -> bool:
         """Whether `t` can be added (`accepts`); an empty file takes anything whose header fits."""
+        t = _as_placed(t)
         if len(self):
             return self.accepts([(name, t)], max_bytes)
         n = t.numel() * t.element_size()
         return header_json_size(self.metadata, [entry_fragment_size(name, t.dtype, tuple(t.shape), 0, n)]) <= self.reserve - 8
 
+    def fits_each(self, parts: List[Tuple[str, torch.Tensor]], max_bytes: int) -> bool:
+        """Whether every part, added in this order, `fits` after the ones before it (none would
+        start a new file)."""
+        offset, fragments, count = self.nbytes, list(self._fragments), len(self)
+        for name, t in parts:
+            n = t.numel() * t.element_size()
+            fragments.append(entry_fragment_size(name, t.dtype, tuple(t.shape), offset, offset + n))
+            if header_json_size(self.metadata, fragments) > self.reserve - 8:
+                return False
+            if count and (offset % t.element_size() or offset + n > max_bytes):
+                return False
+            offset, count = offset + n, count + 1
+        return True
+
     def add(self, name: str, t: torch.Tensor) -> None:
-        """Write t's bytes now (the caller may drop t afterwards)."""
+        """Write t's bytes now (the caller may drop t afterwards). A dense `RowBlocks` is written
+        block by block as it is read."""
         if name in self.sizes:
             raise ValueError(f"tensor {name!r} written twice")
-        n = t.numel() * t.element_size()
-        fragment = entry_fragment_size(name, t.dtype, tuple(t.shape), self.nbytes, self.nbytes + n)
+        placed = _as_placed(t)
+        n = placed.numel() * placed.element_size()
+        fragment = entry_fragment_size(name, placed.dtype, tuple(placed.shape), self.nbytes, self.nbytes + n)
         if header_json_size(self.metadata, self._fragments + [fragment]) > self.reserve - 8:
             raise ValueError(f"tensor {name!r}: the header of {self.path} would outgrow its {self.reserve}-byte reserve")
-        [(_, offset, mv)] = self.place([(name, t)])
+        [(_, offset, mv)] = self.place([(name, placed)])
+        if mv is not None:
+            self.write([(name, offset, mv)], name)
+            return
+        (role, _, _), = t.parts_layout()
+        where = {role: (name, offset, n)}
+        for r0, r1, parts in t.row_parts():
+            self.write(block_writes(where, t.rows, r0, r1, parts), name)
+            del parts
+
+    def write(self, writes: List[Tuple[str, int, memoryview]], name: str) -> None:
+        """Write (name, file offset, bytes) of placed tensors (errors name `name`)."""
         try:
             if self._fd is None:
                 self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666)  # the umask decides
-            write_all(self._fd, mv, offset)
+            for _, offset, mv in writes:
+                write_all(self._fd, mv, offset)
         except OSError as e:
             raise write_error(e, self.path, "writing the shard", tensor=name) from None
 

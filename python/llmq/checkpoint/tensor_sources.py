@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -63,6 +63,11 @@ class Source:
         """The stored bytes of `name` from the header alone (None where that needs a read)."""
         return None
 
+    def row_reader(self, name: str) -> Optional[Tuple[torch.dtype, Callable[[int, int], torch.Tensor]]]:
+        """(stored dtype, read(r0, r1) -> rows r0:r1 along the first dimension) for a plain tensor
+        this source can read a block of rows of at a time, or None (it is read whole)."""
+        return None
+
     def close(self) -> None:
         pass
 
@@ -83,6 +88,13 @@ class SafetensorsSource(Source):
 
     def nbytes(self, name: str) -> int:
         return self._owner[name].entries[name].nbytes
+
+    def row_reader(self, name: str):
+        f = self._owner[name]
+        entry = f.entries[name]
+        if not entry.shape or not entry.shape[0]:
+            return None
+        return entry.dtype, lambda r0, r1: f.read_rows(name, r0, r1)
 
     def close(self) -> None:
         for f in self._files:

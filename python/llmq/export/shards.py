@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Dict, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
 from llmq.checkpoint.fileio import write_file_atomic
-from llmq.checkpoint.shard_file import ShardRotation, StreamingShardFile, hf_shard_names
+from llmq.checkpoint.shard_file import ShardRotation, StreamingShardFile, block_writes, hf_shard_names
 
 
 class ShardWriter:
@@ -79,6 +79,34 @@ class ShardWriter:
             self._open = StreamingShardFile(self._shard_path(len(self._shards)) + ".part", self.rotation.reserve)
         self._open.add(name, tensor)
         self.total_bytes += tensor.numel() * tensor.element_size()
+
+    def add_row_blocks(self, placed: List[Tuple[str, torch.Tensor]], rows: int,
+                       row_parts: Callable[[], Iterator[Tuple[int, int, Dict[str, torch.Tensor]]]]) -> bool:
+        """Write several tensors whose bytes arrive together block of rows by block: `placed` are
+        (name, shard_file.placeholder) in the order `add` would take them, `row_parts()` yields
+        (r0, r1, {name: that block's tensor}). Returns False, having written nothing, where the
+        result would not be what `add` one by one gives: a name written before (or by an
+        interrupted run), or a shard boundary falling between them; the caller then adds them
+        whole."""
+        if any(name in self._done or name in self._seen for name, _ in placed):
+            return False
+        if self.rotation.must_rotate(self._open, *placed[0]):
+            self._flush()
+        if self._open is None:
+            self._open = StreamingShardFile(self._shard_path(len(self._shards)) + ".part", self.rotation.reserve)
+        shard = self._open
+        if not shard.fits_each(placed, self.rotation.max_shard_bytes):
+            return False
+        where = {}
+        for name, t in placed:
+            [(_, offset, _)] = shard.place([(name, t)])
+            where[name] = (name, offset, shard.sizes[name])
+            self._seen.add(name)
+            self.total_bytes += shard.sizes[name]
+        for r0, r1, parts in row_parts():
+            shard.write(block_writes(where, rows, r0, r1, parts), placed[0][0])
+            del parts
+        return True
 
     def _flush(self) -> None:
         shard, self._open = self._open, None

@@ -39,7 +39,10 @@ from llmq.export.spec import (
     merge_export_states,
     needs_tensor_amax,
 )
+from llmq.checkpoint.shard_file import placeholder
 from llmq.export.tensors import export_quantized_weight_tensors
+from llmq.quant import fp
+from llmq.quant.chunked import RowBlocks, abs_max
 
 _SIBLINGS = {
     "q_proj": ("qkv", ("q_proj", "k_proj", "v_proj")),
@@ -52,6 +55,9 @@ _SIBLINGS = {
 # keep_unquantized=() (vLLM and TensorRT-LLM load these as plain layers): token embeddings,
 # the output head, MoE routers and shared-expert gates.
 DEFAULT_KEEP_UNQUANTIZED = (r".*embed_tokens", r".*lm_head", r".*\.mlp\.gate", r".*\.router", r".*shared_expert_gate")
+# Formats whose exported tensors are, row for row, those of a block of rows (with the whole
+# weight's state): a RowBlocks weight in one of them is quantized and written block by block.
+_ROW_BLOCK_FORMATS = ("fp8", "mxfp4", "mxfp8", "nvfp4")
 _FUSED_EXPERTS = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<proj>gate_up_proj|down_proj)(?:\.weight)?$")
 
 
@@ -102,6 +108,16 @@ class _Exporter:
         return make_spec(module, config, style=self.style, static_input_scale=module in self.input_amax)
 
     def state_for(self, weight: torch.Tensor, spec: WeightExportSpec) -> ExportState:
+        if isinstance(weight, RowBlocks):  # the amax over the blocks (exact: a max of maxima)
+            amax = None
+            if needs_tensor_amax(spec):
+                for _, block in weight.blocks():
+                    m = abs_max(block)
+                    amax = m if amax is None else torch.maximum(amax, m)
+                    del block
+            probe = torch.zeros((1, weight.shape[-1]), dtype=weight.dtype)
+            return dataclasses.replace(compute_export_state(probe, spec, self.input_amax.get(spec.module)),
+                                       weight_amax=amax)
         return compute_export_state(weight, spec, self.input_amax.get(spec.module))
 
     def emit(self, spec: WeightExportSpec, weight: torch.Tensor, state: ExportState) -> None:
@@ -113,8 +129,40 @@ class _Exporter:
             for n in names:
                 self.shards.add(n, None)
             return
+        if isinstance(weight, RowBlocks):
+            if self.emit_row_blocks(spec, weight, state):
+                return
+            weight = weight.whole()
         for name, t in export_quantized_weight_tensors(weight, spec, state).items():
             self.shards.add(name, t)
+
+    def emit_row_blocks(self, spec: WeightExportSpec, weight: RowBlocks, state: ExportState) -> bool:
+        """Quantize and write a weight block of rows by block (same bytes as whole); False where
+        its format, shape or the shard layout does not allow it (nothing is written then)."""
+        n, k = weight.shape if weight.dim() == 2 else (0, 0)
+        multiple = fp.FP8_BLOCK if spec.granularity == "block128" else 1
+        if spec.format not in _ROW_BLOCK_FORMATS or not n or n % multiple or weight.dtype not in fp.FLOAT_DTYPES:
+            return False
+        try:  # names, order and dtypes of what the whole weight gives, from a block of zeros
+            probe = export_quantized_weight_tensors(torch.zeros((multiple, k), dtype=weight.dtype), spec, state)
+        except (ValueError, RuntimeError):
+            return False
+        role_of = {name: role for role, name in spec.tensor_names().items()}
+        shapes = spec.tensor_shapes(n, k)
+        placed = [(name, placeholder(t.dtype, shapes[role_of[name]])) for name, t in probe.items()]
+
+        def row_parts():
+            # With a tensor-level amax the blocks were checked for NaN/Inf when it was measured.
+            for r0, block in weight.blocks(multiple, check=state.weight_amax is None):
+                try:
+                    parts = export_quantized_weight_tensors(block, spec, state)
+                except (ValueError, RuntimeError):  # the whole weight raises its own message
+                    export_quantized_weight_tensors(weight.whole(), spec, state)
+                    raise
+                yield r0, r0 + block.shape[0], parts
+                del block, parts
+
+        return self.shards.add_row_blocks(placed, n, row_parts)
 
     def pass_through(self, name: str, tensor: torch.Tensor) -> None:
         # Written to the shard file at once, so no reference (and no mapping of the input) is kept.
@@ -123,8 +171,11 @@ class _Exporter:
     # ---- one input tensor ---------------------------------------------------------------
 
     def feed(self, name: str, tensor: torch.Tensor) -> None:
+        """One input tensor (or RowBlocks, see write_hf_quantized_checkpoint)."""
         m = _FUSED_EXPERTS.match(name)
         if m and tensor.dim() == 3:
+            if isinstance(tensor, RowBlocks):
+                tensor = tensor.whole()
             self.feed_fused_experts(m.group("prefix"), m.group("proj"), name, tensor)
             return
         if not name.endswith(".weight") or tensor.dim() != 2:
@@ -138,6 +189,8 @@ class _Exporter:
             return
         parent, _, leaf = module.rpartition(".")
         if leaf in _SIBLINGS and needs_tensor_amax(spec):
+            if isinstance(tensor, RowBlocks):  # held until its siblings arrive: read whole
+                tensor = tensor.whole()
             kind, members = _SIBLINGS[leaf]
             group = self.pending.setdefault((parent, kind), {})
             group[leaf] = (tensor, spec)
@@ -229,7 +282,12 @@ def write_hf_quantized_checkpoint(
 ) -> ExportSummary:
     """Write a quantized HF folder at out_dir, atomically.
 
-    tensors: (hf_name, tensor) pairs, streamed once. recipe: fqn -> config (see recipe_lookup).
+    tensors: (hf_name, tensor) pairs, streamed once; a tensor may be a RowBlocks
+    (``iter_checkpoint(..., chunk_bytes=)``): written block by block when it passes through,
+    and quantized and written block by block in FP8, MX and NVFP4 (a tensor-level amax is
+    measured in a first pass over the blocks) unless it joins a fused sibling group (q/k/v,
+    gate/up with a shared scale), is a stacked expert tensor or is integer-quantized: those are
+    read whole. The bytes are the same either way. recipe: fqn -> config (see recipe_lookup).
     config: the model's config.json dict; its "quantization_config" is replaced.
     input_amax: module fqn -> activation amax, for static input scales (FP8 / NVFP4 W4A4).
     extra_files: files copied into the folder (tokenizer, generation_config.json...).
@@ -261,7 +319,7 @@ def write_hf_quantized_checkpoint(
         shards = ShardWriter.resume(tmp, max_shard_bytes) if resume else ShardWriter(tmp, max_shard_bytes)
         exporter = _Exporter(recipe_lookup(recipe), style, input_amax or {}, shards, keep=tuple(keep_unquantized))
         for name, tensor in tensors:
-            if not isinstance(tensor, torch.Tensor):
+            if not isinstance(tensor, (torch.Tensor, RowBlocks)):
                 raise ValueError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
             summary.input_bytes += tensor.numel() * tensor.element_size()
             exporter.feed(name, tensor)

@@ -7,6 +7,7 @@ from typing import Callable, Iterable, Iterator, Optional, Tuple, Union
 
 import torch
 
+from llmq.quant.chunked import RowBlocks, quantize_row_blocks
 from llmq.quant.formats import GroupQuantizedWeight
 from llmq.quant.importance import Calibration
 from llmq.quant.quantize import quantize_weight, takes_importance
@@ -34,6 +35,12 @@ def quantize_stream(items: Iterable[StreamItem], recipe: QuantRecipe, *, weight_
     gets its input rows (the layer's output error). Modules it has none for quantize without.
     report: every quantized tensor's error figures are added to it as it passes (the
     original is dropped right after, as without a report).
+
+    A tensor that arrives as row blocks (llmq.quant.chunked.RowBlocks, from
+    ``iter_checkpoint(..., chunk_bytes=)``) and is quantized leaves as a QuantizedRowBlocks,
+    quantized block by block while the writer reads it (same bytes), when its format can
+    (``Format.row_quantizer``) and neither importance weights nor a report need the whole
+    weight; otherwise it is read whole first. One that is not quantized passes through as it came.
     """
     if not isinstance(recipe, QuantRecipe):
         raise ValueError(f"quantize_stream expects a QuantRecipe, got {type(recipe).__name__}")
@@ -46,12 +53,21 @@ def quantize_stream(items: Iterable[StreamItem], recipe: QuantRecipe, *, weight_
             module = fqn[: len(fqn) - len(weight_suffix)]
         else:
             module = None
-        if isinstance(tensor, torch.Tensor) and module is not None:
+        if isinstance(tensor, (torch.Tensor, RowBlocks)) and module is not None:
             config = recipe.get_config(module)
             if config is not None:
                 importance = calibration.importance_of(module) if calibration is not None else None
                 if importance is not None and not takes_importance(config):
                     importance = None
+                if isinstance(tensor, RowBlocks):
+                    blocks = None
+                    if importance is None and report is None:
+                        blocks = quantize_row_blocks(tensor, config, name=fqn)
+                    if blocks is not None:
+                        yield fqn, blocks
+                        del tensor, blocks
+                        continue
+                    tensor = tensor.whole()
                 quantized = quantize_weight(tensor, config, name=fqn, importance=importance)
                 if report is not None:
                     inputs = calibration.inputs_of(module) if calibration is not None else None

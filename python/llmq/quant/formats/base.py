@@ -17,11 +17,26 @@ A format describes its weights in three ways:
 from __future__ import annotations
 
 import abc
+import dataclasses
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
 Layout = Dict[str, Tuple[torch.dtype, Tuple[int, ...]]]
+
+
+@dataclasses.dataclass(frozen=True)
+class RowQuantizer:
+    """How a format quantizes a 2-D weight block of rows by block (`Format.row_quantizer`;
+    llmq.quant.chunked drives it).
+
+    quantize(block, amax) -> the format's container for that block; amax is the whole
+    weight's float32 max |w| when needs_amax, else None. Blocks hold a multiple of
+    row_multiple rows (but the last)."""
+
+    quantize: Callable[[torch.Tensor, Optional[torch.Tensor]], Any]
+    needs_amax: bool = False
+    row_multiple: int = 1
 
 
 def first_of_alike(experts: Sequence[Any], layout: Callable[[Any], Dict[str, Any]]) -> Any:
@@ -119,6 +134,12 @@ class Format(abc.ABC):
     def native_kernel_available(self) -> bool:
         """Whether a compiled quantize kernel serves this family on this machine."""
         return False
+
+    def row_quantizer(self, config: Any, shape: Tuple[int, ...], *, name: str = "<tensor>") -> Optional[RowQuantizer]:
+        """How to quantize a 2-D weight of `shape` block of rows by block with exactly the bytes
+        `quantize` gives for the whole weight, or None where this family or config cannot (the
+        default): the weight is then quantized whole."""
+        return None
 
     def __repr__(self) -> str:
         return f"<Format {self.family}: {', '.join(self.names)}>"

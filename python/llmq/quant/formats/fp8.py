@@ -6,12 +6,12 @@ the registry: config rules, the tensors a bundle stores, and the way back.
 
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Dict, Tuple
 
 import torch
 
 from llmq.quant import fp
-from llmq.quant.formats.base import Format, Layout
+from llmq.quant.formats.base import Format, Layout, RowQuantizer
 from llmq.quant.formats.hf_export import HFExport, ct_weights, modelopt_raw_codes_warning, scalar_shape
 
 # granularity -> (ModelOpt quant_algo, compressed-tensors strategy)
@@ -162,6 +162,21 @@ class FP8Format(Format):
 
     def dequantize(self, value: fp.FP8Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return fp.dequantize_fp(value, dtype)
+
+    def row_quantizer(self, config: Any, shape: Tuple[int, ...], *, name: str = "<tensor>"):
+        """Per channel: row by row. 128x128 tiles: blocks of 128 rows. Per tensor: the scale from the
+        whole weight's amax (fp8_tensor_scale_from_amax, what quantize_fp8 computes), then row by row."""
+        if len(shape) != 2:
+            return None
+        granularity = getattr(config, "granularity", None) or fp.fp8_granularity_for(getattr(config, "group_size", None))
+        if granularity == "tensor":
+            return RowQuantizer(lambda block, amax: fp.quantize_fp8(block, "tensor", name=name,
+                                                                    scale=fp8_tensor_scale_from_amax(amax)),
+                                needs_amax=True)
+        if granularity == "block128" and shape[0] % fp.FP8_BLOCK:
+            return None  # the whole-tensor path refuses it with its own message
+        return RowQuantizer(lambda block, amax: fp.quantize_fp8(block, granularity, name=name),
+                            row_multiple=fp.FP8_BLOCK if granularity == "block128" else 1)
 
     def params(self, value: fp.FP8Weight) -> Dict[str, Any]:
         return {"granularity": value.granularity}

@@ -26,7 +26,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from llmq.quant.formats.base import Format, Layout
+from llmq.quant.formats.base import Format, Layout, RowQuantizer
 from llmq.quant.formats.hf_export import HFExport, ct_weights
 
 SUPPORTED_BITS = (2, 3, 4, 5, 6, 7, 8)
@@ -351,6 +351,13 @@ class IntAffineFormat(Format):
         from llmq.quant.torchao_interop import to_torchao  # torchao is optional
 
         return to_torchao(value)
+
+    def row_quantizer(self, config: Any, shape: Tuple[int, ...], *, name: str = "<tensor>"):
+        """Method "minmax" (the default) is group-wise inside each row: any block of rows gives its
+        rows of the whole result. The search and hqq methods are quantized whole."""
+        if config.method != "minmax" or len(shape) != 2:
+            return None
+        return RowQuantizer(lambda block, amax: self.quantize(block, config, name=name))
 
     def native_kernel_available(self) -> bool:
         from llmq.quant._native import native_kernel_available

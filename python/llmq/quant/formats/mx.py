@@ -5,13 +5,13 @@ The element math is llmq.quant.fp (quantize_mx / dequantize_fp); this module is 
 
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Dict, Tuple
 
 import torch
 
 from llmq.quant import fp
 from llmq.quant.formats._fixed import check_fixed
-from llmq.quant.formats.base import Format, Layout
+from llmq.quant.formats.base import Format, Layout, RowQuantizer
 from llmq.quant.formats.hf_export import HFExport, ct_weights, modelopt_raw_codes_warning
 
 _BITS = {"mxfp4": 4, "mxfp8": 8}
@@ -95,6 +95,12 @@ class MXFormat(Format):
 
     def dequantize(self, value: fp.MXWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return fp.dequantize_fp(value, dtype)
+
+    def row_quantizer(self, config: Any, shape: Tuple[int, ...], *, name: str = "<tensor>"):
+        """One E8M0 scale per 32 along K inside a row: row by row."""
+        if len(shape) != 2:
+            return None
+        return RowQuantizer(lambda block, amax: fp.quantize_mx(block, config.format, name=name))
 
     def name_of(self, value: fp.MXWeight) -> str:
         return value.fmt

@@ -6,13 +6,13 @@ byte); this module is its registry entry.
 
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Dict, Tuple
 
 import torch
 
 from llmq.quant import fp
 from llmq.quant.formats._fixed import check_fixed
-from llmq.quant.formats.base import Format, Layout
+from llmq.quant.formats.base import Format, Layout, RowQuantizer
 from llmq.quant.formats.hf_export import HFExport, ct_weights, scalar_shape
 
 
@@ -127,6 +127,15 @@ class NVFP4Format(Format):
 
     def dequantize(self, value: fp.NVFP4Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return fp.dequantize_fp(value, dtype)
+
+    def row_quantizer(self, config: Any, shape: Tuple[int, ...], *, name: str = "<tensor>"):
+        """Blocks of 16 along K inside a row, under the global scale of the whole weight's amax
+        (nvfp4_global_scale_from_amax, what quantize_nvfp4 computes)."""
+        if len(shape) != 2:
+            return None
+        return RowQuantizer(lambda block, amax: fp.quantize_nvfp4(block, name=name,
+                                                                  global_scale=nvfp4_global_scale_from_amax(amax)),
+                            needs_amax=True)
 
     def stored(self, value: fp.NVFP4Weight) -> Dict[str, torch.Tensor]:
         return {"codes": value.codes, "block_scale": value.block_scale, "global_scale": value.global_scale}

@@ -1,0 +1,251 @@
+"""Tensors read as blocks of rows (iter_checkpoint(chunk_bytes=)) write the same bytes as whole
+tensors: through quantize_stream into save_bundle for every quantizable format (per-tensor
+scales included), and through the Hugging Face export; one block at a time; NaN/Inf errors and
+warnings read as for the whole tensor."""
+
+import os
+import re
+import warnings
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from llmq.checkpoint import NonFiniteWeightError, iter_checkpoint, load_bundle, save_bundle
+from llmq.quant import QuantConfig, QuantRecipe, QuantRule, quantize_stream
+from llmq.quant.chunked import QuantizedRowBlocks, RowBlocks, TensorRowBlocks, quantize_row_blocks
+
+CHUNK = 4096  # bytes: a 384 x 256 bf16 weight (192 KiB) becomes 48 blocks of 8 rows
+
+
+def _checkpoint(folder, *, nan_at=None):
+    g = torch.Generator().manual_seed(7)
+    w = (torch.randn(384, 256, generator=g) * 0.05).to(torch.bfloat16)
+    w[5, 3] = 0.75  # an outlier, so the per-tensor amax sits in one block only
+    if nan_at is not None:
+        w[nan_at] = float("nan")
+    tensors = {
+        "model.embed_tokens.weight": torch.randn(300, 128, generator=g).to(torch.bfloat16),  # 300 % 16 rows
+        "model.layers.0.mlp.down_proj.weight": w,
+        "model.layers.0.mlp.up_proj.weight": torch.randn(130, 64, generator=g),  # float32, uneven blocks
+        "model.layers.0.input_layernorm.weight": torch.ones(256, dtype=torch.bfloat16),
+        "model.layers.0.self_attn.q_proj.weight": (torch.randn(16, 64, generator=g) * 0.1).to(torch.float16),  # small
+        "lm_head.weight": torch.randn(3, 4, 1024, generator=g).to(torch.bfloat16),  # 3-D, 1 row = 8 KiB > CHUNK
+    }
+    path = os.path.join(folder, "model.safetensors")
+    save_file(tensors, path)
+    return path
+
+
+def _files(folder):
+    out = {}
+    for name in sorted(os.listdir(folder)):
+        with open(os.path.join(folder, name), "rb") as f:
+            out[name] = f.read()
+    return out
+
+
+def _bundle(src, out, recipe, chunk_bytes, seen=None, **kwargs):
+    stream = quantize_stream(iter_checkpoint(src, chunk_bytes=chunk_bytes, **kwargs), recipe)
+
+    def record(items):
+        for name, value in items:
+            if seen is not None:
+                seen[name] = type(value)
+            yield name, value
+
+    save_bundle(record(stream), out, recipe=recipe, fsync=False)
+    return _files(out)
+
+
+CONFIGS = {
+    "int4_g32_asym": QuantConfig(bits=4, group_size=32),
+    "int4_g64_sym": QuantConfig(bits=4, group_size=64, symmetric=True),
+    "int8_row": QuantConfig(bits=8, group_size=None),
+    "fp8_tensor": QuantConfig(format="fp8", bits=8, group_size=0),
+    "fp8_channel": QuantConfig(format="fp8", bits=8, group_size=None),
+    "fp8_block128": QuantConfig(format="fp8", bits=8, group_size=128),
+    "nvfp4": QuantConfig(format="nvfp4", bits=4, group_size=16),
+    "mxfp4": QuantConfig(format="mxfp4", bits=4, group_size=32),
+    "mxfp8": QuantConfig(format="mxfp8", bits=8, group_size=32),
+}
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_bundle_bytes_equal_whole_tensor_path(tmp_path, config):
+    src = _checkpoint(str(tmp_path))
+    cfg = CONFIGS[config]
+    both = config != "fp8_block128"  # up_proj [130, 64] has no whole 128x128 tile
+    recipe = QuantRecipe([QuantRule(r"model\.layers\.0\.mlp\.(down|up)_proj" if both else r".*down_proj", cfg)])
+    whole = _bundle(src, str(tmp_path / "whole"), recipe, None)
+    seen = {}
+    chunked = _bundle(src, str(tmp_path / "chunked"), recipe, CHUNK, seen)
+    assert list(chunked) == list(whole)
+    for name in whole:
+        assert chunked[name] == whole[name], name
+    # The chunked path was taken: quantized weights and pass-through tensors alike.
+    assert seen["model.layers.0.mlp.down_proj.weight"] is QuantizedRowBlocks
+    assert seen["model.layers.0.mlp.up_proj.weight"] is QuantizedRowBlocks if both else issubclass(
+        seen["model.layers.0.mlp.up_proj.weight"], RowBlocks)
+    assert issubclass(seen["model.embed_tokens.weight"], RowBlocks)
+    assert issubclass(seen["lm_head.weight"], RowBlocks)
+    assert seen["model.layers.0.self_attn.q_proj.weight"] is torch.Tensor  # under CHUNK: whole
+
+
+@pytest.mark.parametrize("config", ["int4_g32_asym", "nvfp4"])
+def test_bundle_bytes_equal_with_a_dtype_cast(tmp_path, config):
+    """iter_checkpoint(dtype=) casts block by block: the same bytes as casting whole tensors."""
+    src = _checkpoint(str(tmp_path))
+    recipe = QuantRecipe([QuantRule(r".*_proj", CONFIGS[config])])
+    whole = _bundle(src, str(tmp_path / "whole"), recipe, None, dtype=torch.float16)
+    seen = {}
+    chunked = _bundle(src, str(tmp_path / "chunked"), recipe, CHUNK, seen, dtype=torch.float16)
+    assert seen["model.layers.0.mlp.down_proj.weight"] is QuantizedRowBlocks
+    assert chunked == whole
+
+
+def test_per_tensor_scale_is_the_whole_tensors(tmp_path):
+    """FP8 per tensor and NVFP4: the amax comes from one block only; every block uses it."""
+    src = _checkpoint(str(tmp_path))
+    for name, cfg in (("fp8_tensor", CONFIGS["fp8_tensor"]), ("nvfp4", CONFIGS["nvfp4"])):
+        recipe = QuantRecipe([QuantRule(r".*down_proj", cfg)])
+        out = str(tmp_path / name)
+        _bundle(src, out, recipe, CHUNK)
+        w = load_bundle(out)["model.layers.0.mlp.down_proj.weight"]
+        scale = w.scale if name == "fp8_tensor" else w.global_scale
+        expect = 0.75 / (448.0 if name == "fp8_tensor" else 6.0 * 448.0)
+        assert scale.shape == () and float(scale) == pytest.approx(expect, rel=1e-6)
+
+
+def test_blocks_hold_at_most_chunk_bytes_and_rebuild_the_tensor(tmp_path):
+    src = _checkpoint(str(tmp_path))
+    whole = dict(iter_checkpoint(src))
+    for name, value in iter_checkpoint(src, chunk_bytes=CHUNK, dtype=torch.float32):
+        if not isinstance(value, RowBlocks):
+            assert value.numel() * value.element_size() <= CHUNK * 2  # float32 of a <= CHUNK bf16 tensor
+            continue
+        rows = []
+        for r0, block in value.blocks():
+            assert block.dtype == torch.float32
+            assert block.numel() * whole[name].element_size() <= max(CHUNK, whole[name][0].numel() * 2)
+            rows.append(block)
+        assert torch.equal(torch.cat(rows), whole[name].float())
+        assert torch.equal(value.whole(), whole[name].float())
+        assert value.shape == whole[name].shape and value.nbytes == whole[name].numel() * 4
+
+
+def test_nan_in_a_late_block_gives_the_whole_tensor_error(tmp_path):
+    src = _checkpoint(str(tmp_path), nan_at=(380, 1))
+    recipe = QuantRecipe([QuantRule(r".*down_proj", CONFIGS["nvfp4"])])
+    with pytest.raises(NonFiniteWeightError) as whole:
+        _bundle(src, str(tmp_path / "whole"), recipe, None)
+    with pytest.raises(NonFiniteWeightError) as chunked:
+        _bundle(src, str(tmp_path / "chunked"), recipe, CHUNK)
+    assert str(chunked.value) == str(whole.value)
+    assert "holds 1 NaN and 0 Inf" in str(chunked.value)
+    assert not os.path.exists(tmp_path / "chunked")  # nothing published
+    # A pass-through tensor (no quantization) reads the same.
+    with pytest.raises(NonFiniteWeightError) as passed:
+        _bundle(src, str(tmp_path / "plain"), QuantRecipe([]), CHUNK)
+    assert str(passed.value) == str(whole.value)
+
+
+def test_nan_warning_names_the_whole_tensors_counts(tmp_path):
+    src = _checkpoint(str(tmp_path), nan_at=(200, 1))
+
+    def messages(chunk_bytes):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _, value in iter_checkpoint(src, chunk_bytes=chunk_bytes, nonfinite="warn"):
+                if isinstance(value, RowBlocks):
+                    for _ in value.blocks():
+                        pass
+        return [str(w.message) for w in caught]
+
+    assert messages(CHUNK) == messages(None) and len(messages(None)) == 1
+
+
+def test_quantizer_errors_are_the_whole_tensors(tmp_path):
+    """NaN allowed through by the reader: the block quantizer fails and the whole-tensor one
+    raises its own message."""
+    src = _checkpoint(str(tmp_path), nan_at=(300, 2))
+    recipe = QuantRecipe([QuantRule(r".*down_proj", CONFIGS["int4_g32_asym"])])
+    errors = []
+    for chunk_bytes in (None, CHUNK):
+        with pytest.raises(ValueError) as e:
+            _bundle(src, str(tmp_path / f"out{chunk_bytes}"), recipe, chunk_bytes, nonfinite="allow")
+        errors.append(str(e.value))
+    assert errors[0] == errors[1] and "NaN/Inf" in errors[0]
+
+
+def test_block128_needs_whole_tiles_and_odd_rows_fall_back(tmp_path):
+    w = torch.randn(200, 128).to(torch.bfloat16)  # 200 rows: not a multiple of 128
+    assert quantize_row_blocks(TensorRowBlocks(w, 3), CONFIGS["fp8_block128"]) is None
+    q = quantize_row_blocks(TensorRowBlocks(torch.randn(256, 128), 3), CONFIGS["fp8_block128"])
+    assert q is not None and [r1 - r0 for r0, r1, _ in q.row_parts()] == [128, 128]
+
+
+def test_chunk_bytes_argument_checks(tmp_path):
+    src = _checkpoint(str(tmp_path))
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="chunk_bytes must be a positive int"):
+            list(iter_checkpoint(src, chunk_bytes=bad))
+    with pytest.raises(ValueError, match="cannot be combined with convert"):
+        list(iter_checkpoint(src, chunk_bytes=CHUNK, convert=lambda n, v: v))
+
+
+HF_CASES = {
+    "nvfp4_modelopt": ("modelopt", {"format": "nvfp4"}),
+    "nvfp4_ct": ("compressed-tensors", {"format": "nvfp4"}),
+    "fp8_tensor_ct": ("compressed-tensors", {"format": "fp8", "granularity": "tensor"}),
+    "fp8_channel": ("modelopt", {"format": "fp8", "granularity": "channel"}),
+    "fp8_block128": ("compressed-tensors", {"format": "fp8", "granularity": "block128"}),
+    "mxfp4_ct": ("compressed-tensors", {"format": "mxfp4", "bits": 4, "group_size": 32}),
+    "mxfp8": ("modelopt", {"format": "mxfp8", "bits": 8, "group_size": 32}),
+    "int4_ct": ("compressed-tensors", {"format": "int", "bits": 4, "group_size": 32}),  # read whole
+}
+
+
+@pytest.mark.parametrize("case", list(HF_CASES))
+@pytest.mark.parametrize("max_shard_bytes", [100_000, 10 << 20])
+def test_hf_export_bytes_equal_whole_tensor_path(tmp_path, case, max_shard_bytes):
+    """Whole and chunked exports give the same files, with shard boundaries between and inside
+    one module's tensors (100 kB shards) or none."""
+    from llmq.export import write_hf_quantized_checkpoint
+
+    style, fmt = HF_CASES[case]
+    src = _checkpoint(str(tmp_path))
+    quantized = r"model\.layers\.0\.mlp\.down_proj" if fmt.get("granularity") == "block128" else r".*_proj"
+    outs = []
+    for chunk_bytes in (None, CHUNK):
+        out = str(tmp_path / f"hf{chunk_bytes}")
+        stream = ((n, v) for n, v in iter_checkpoint(src, chunk_bytes=chunk_bytes) if n != "lm_head.weight")
+        write_hf_quantized_checkpoint(out, stream, lambda module: fmt if re.fullmatch(quantized, module) else None,
+                                      style=style, max_shard_bytes=max_shard_bytes)
+        outs.append(_files(out))
+    assert list(outs[0]) == list(outs[1])
+    shards = sum(name.endswith(".safetensors") for name in outs[0])
+    assert shards >= 2 if max_shard_bytes == 100_000 else shards == 1
+    for name in outs[0]:
+        assert outs[1][name] == outs[0][name], name
+
+
+def test_hf_export_writes_row_blocks_one_block_at_a_time(tmp_path, monkeypatch):
+    """The chunked export never asks for the whole weight (no .whole()) in FP8 / NVFP4."""
+    from llmq.export import write_hf_quantized_checkpoint
+
+    src = _checkpoint(str(tmp_path))
+
+    def refuse(self):
+        raise AssertionError(f"whole() called for {self!r}")
+
+    monkeypatch.setattr(RowBlocks, "whole", refuse)
+    monkeypatch.setattr(type(next(v for _, v in iter_checkpoint(src, chunk_bytes=CHUNK) if isinstance(v, RowBlocks))),
+                        "whole", refuse)
+    for fmt in ({"format": "nvfp4"}, {"format": "fp8", "granularity": "channel"}):
+        stream = ((n, v) for n, v in iter_checkpoint(src, chunk_bytes=CHUNK) if n != "lm_head.weight")
+        write_hf_quantized_checkpoint(str(tmp_path / fmt["format"]), stream, lambda m: fmt if "down_proj" in m else None)
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-q"]))
