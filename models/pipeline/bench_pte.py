@@ -1,7 +1,8 @@
 """ExecuTorch .pte against eager llmq on one quantized model: size, load time, prefill and decode tokens/s.
 
-    bazel run //models/pipeline:bench_pte -- --arch=gemma3 --checkpoint=gemma-3-270m-q4_k_m.gguf \
-        [--recipe=int4] [--prompt_len=64] [--decode_steps=32] [--max_seq_len=128] [--repeat=3] [--out=FILE.pte]
+    bazel run //models/pipeline:bench_pte -- --arch=gemma3 --checkpoint=$PWD/gemma-3-270m-q4_k_m.gguf
+        [--recipe=int4-e8] [--prompt_len=64] [--decode_steps=32] [--max_seq_len=128] [--repeat=3]
+        [--out=$PWD/gemma3.pte [--reuse_pte]] [--prompt="The capital of France is"] [--text_tokens=24]
 
 Both sides hold the same quantized weights (the bundle's codes and scales) and the same static cache
 (export_pt2's steps, float32 activations): "eager llmq" is the quantized model's own PrefillStep /
