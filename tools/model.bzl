@@ -52,7 +52,8 @@ def llmq_model(
       gguf_deps: extra deps of :gguf_checkpoint (another model's converter it extends).
       mlx_export: the package has mlx_export.py.
       export: the package has export.py (torch.export .pt2) and export_pte.py (ExecuTorch).
-      export_deps: extra deps of the :export binary (imported only with some flag).
+      export_deps: extra deps of the export targets (another model's :export_lib whose cache layout it reuses,
+        or what only some flag imports).
       param_count: the package has param_count.py and param_count_test.py.
       others: :spec targets of other architectures, so that their checkpoints given to this
         quantize_and_save are told which target to use.
@@ -93,7 +94,7 @@ def llmq_model(
         deps = [":spec"] + others,
     )
     if export:
-        llmq_tool(name = "export", deps = [":model", ":spec", "//models/pipeline"], binary_deps = export_deps)
+        llmq_tool(name = "export", deps = [":model", ":spec", "//models/pipeline"] + export_deps)
         native.py_binary(
             name = "export_pte",
             srcs = ["export_pte.py"],

@@ -130,9 +130,10 @@ class Gemma4ForCausalLM(CausalLM):
         self.tie_weights()
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        embed = self.model.embed_tokens
-        # The scale is rounded to the weight dtype first, as in the reference (sqrt(5376) -> 73.5 in bf16).
-        return embed(input_ids) * torch.tensor(self.embed_scale, dtype=embed.weight.dtype)
+        # The scale is rounded to the embedding's dtype first, as in the reference (sqrt(5376) -> 73.5 in bf16);
+        # a quantized embedding's rows come out in the dtype it was quantized from.
+        rows = self.model.embed_tokens(input_ids)
+        return rows * torch.tensor(self.embed_scale, dtype=rows.dtype)
 
     def rope_for(self, positions: torch.Tensor, dtype: torch.dtype):
         tables = {t: rope_cos_sin(f, positions, dtype) for t, f in self.inv_freq.items()}

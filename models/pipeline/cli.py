@@ -57,6 +57,9 @@ flags.DEFINE_float("budget_bits_per_weight", None, "Choose per matrix among 3/4/
                    "ordinary recipe (--recipe=that file reproduces it).", lower_bound=1.0)
 flags.DEFINE_enum("budget_method", "hqq", ["minmax", "search", "hqq"], "Rounding method of the "
                   "--budget_bits_per_weight candidates.")
+flags.DEFINE_boolean("requantize_gguf", False, "GGUF input: dequantize the GGUF's quantized tensors exactly and "
+                     "quantize them with --recipe (default: keep them as the GGUF stores them, losslessly; only "
+                     "its float tensors meet the recipe).")
 flags.DEFINE_boolean("progress", None, "Show progress bars (default: when stderr is a terminal).")
 
 
@@ -83,7 +86,7 @@ def main_for(arch: Architecture, others: Sequence[Architecture] = ()) -> None:
                 verify_warn_only=FLAGS.verify_warn_only, progress=progress, others=others,
                 error_report=_error_report_wanted(), calibration_text=_user_path(FLAGS.calibration_text),
                 calibration_tokens=FLAGS.calibration_tokens, budget_bits_per_weight=FLAGS.budget_bits_per_weight,
-                budget_method=FLAGS.budget_method)
+                budget_method=FLAGS.budget_method, requantize_gguf=FLAGS.requantize_gguf)
         except (UsageError, CheckpointError, FileExistsError) as e:
             print(f"error: {cli_wording(str(e))}", file=sys.stderr)
             return 2

@@ -32,8 +32,8 @@ from torch import nn
 from llmq.checkpoint import CheckpointError, load_bundle
 from llmq.quant import QuantizedEmbedding, QuantizedLinear
 from llmq.quant.modules import dequantize_graph
-from models.common.cache import ModelCache
-from models.pipeline import quantize_and_save
+from models.common.cache import ModelCache, StaticKVCache
+from models.pipeline import quantize_and_save, sources
 from models.pipeline.arch import Architecture
 from models.pipeline.quantized_model import _StackedQuantized, build_quantized_model
 from models.pipeline.agreement import format_table
@@ -98,6 +98,35 @@ class StaticCacheLayout:
     def to_json(self) -> List[Dict]:
         return [{"name": e.name, "shape": list(e.shape), "dtype": str(e.dtype).replace("torch.", "")}
                 for e in self.entries]
+
+
+class AttentionKVCacheLayout(StaticCacheLayout):
+    """`layers.N.keys`, `layers.N.values` [1, H_kv, max_seq_len, head_dim] for every layer N of
+    `model.model.layers` (each with `self_attn.num_kv_heads` and `self_attn.head_dim`), indexed by absolute
+    position, in the embedding's dtype. Sliding-window layers use the same full-length buffers: attention's
+    position mask hides what lies outside the window (max_seq_len slots per sliding layer rather than
+    `sliding_window`, and no ring-buffer bookkeeping). The layout of every attention-only model (Gemma 3, 4)."""
+
+    def __init__(self, model: nn.Module, max_seq_len: int):
+        self.max_seq_len = max_seq_len
+        self.entries = []
+        embed = model.model.embed_tokens
+        dtype = embed.weight_dtype if hasattr(embed, "weight_dtype") else embed.weight.dtype
+        for i, layer in enumerate(model.model.layers):
+            attn = layer.self_attn
+            shape = (1, attn.num_kv_heads, max_seq_len, attn.head_dim)
+            self.entries += [CacheEntry(f"layers.{i}.keys", shape, dtype), CacheEntry(f"layers.{i}.values", shape, dtype)]
+
+    def prefill_states(self) -> list:
+        return [StaticKVCache(torch.zeros(k.shape, dtype=k.dtype), torch.zeros(v.shape, dtype=v.dtype), 0,
+                              attend_cached=False)
+                for k, v in zip(self.entries[::2], self.entries[1::2])]
+
+    def decode_states(self, tensors: Sequence[torch.Tensor], position: torch.Tensor) -> list:
+        return [StaticKVCache(k, v, position) for k, v in zip(tensors[::2], tensors[1::2])]
+
+    def tensors_of(self, states: list) -> Tuple[torch.Tensor, ...]:
+        return tuple(t for state in states for t in (state.keys, state.values))
 
 
 class PrefillStep(nn.Module):
@@ -284,21 +313,22 @@ def compare_steps(model: nn.Module, layout: StaticCacheLayout, prefill_program: 
 
 def load_quantized_model(arch: Architecture, *, bundle: Optional[str], checkpoint: Optional[str], recipe: Optional[str],
                          seed: int, workdir: str) -> Tuple[nn.Module, str]:
-    """The quantized model in eager, from `bundle` + `checkpoint`'s config.json, or (both None) from the
-    embedded default quantized with `recipe` into `workdir`; returns (model, bundle path)."""
-    if bundle is None:
-        if checkpoint is not None:
-            raise quantize_and_save.UsageError("--checkpoint needs --bundle (quantize first with quantize_and_save)")
-        result = quantize_and_save.run(arch, checkpoint=None, recipe=recipe, backend="bundle",
+    """The quantized model in eager, from `bundle` + the config of `checkpoint` (HF folder or .gguf), or (no
+    bundle) from `checkpoint` (None: the embedded default) quantized with `recipe` into `workdir` (a GGUF's
+    quantized tensors dequantized exactly and quantized by the recipe too); returns (model, bundle path)."""
+    if bundle is None:  # a GGUF's own codes (K-quants, 5/6-bit) are requantized by the recipe, which names the format
+        result = quantize_and_save.run(arch, checkpoint=checkpoint, recipe=recipe, backend="bundle",
                                        out=os.path.join(workdir, "bundle"), resume=False, max_shard_size=2 << 30,
-                                       verify=False, seed=seed, progress=False)
-        bundle, hf_config = result["bundle"], arch.tiny_hf_config()
+                                       verify=False, seed=seed, progress=False, requantize_gguf=True)
+        bundle = result["bundle"]
+    elif checkpoint is None:
+        raise quantize_and_save.UsageError("--bundle needs --checkpoint (the HF folder or .gguf it was quantized from)")
+    elif not os.path.isdir(bundle):
+        raise quantize_and_save.UsageError(f"--bundle {bundle}: no such folder")
+    if checkpoint is None:
+        hf_config = arch.tiny_hf_config()
     else:
-        if checkpoint is None:
-            raise quantize_and_save.UsageError("--bundle needs --checkpoint (the HF folder whose config.json it came from)")
-        if not os.path.isdir(bundle):
-            raise quantize_and_save.UsageError(f"--bundle {bundle}: no such folder")
-        hf_config = quantize_and_save._read_hf_config(checkpoint)
+        hf_config = sources.open_source(arch, checkpoint, sources.check_path(arch, checkpoint)).hf_config
     try:
         config = arch.config_from_hf(hf_config)
     except (ValueError, KeyError, NotImplementedError) as e:

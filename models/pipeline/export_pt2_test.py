@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from llmq.quant import QuantConfig, QuantizedLinear
+from models.gemma3 import export as gemma3_export
 from models.gemma4 import export as gemma_export
 from models.pipeline import export_pt2, quantize_and_save
 from models.pipeline.default_model import write_default_checkpoint
@@ -56,10 +57,12 @@ def _check_run(result):
     assert [e["name"] for e in layout["cache"]] == [e.name for e in result["layout"].entries]
 
 
-@pytest.fixture(scope="module")
-def gemma(tmp_path_factory):
-    out = tmp_path_factory.mktemp("gemma4")
-    return export_pt2.run(gemma_export.ARCHITECTURE, gemma_export.cache_layout, dynamic_prompt=True, recipe="int4",
+@pytest.fixture(scope="module", params=["gemma4", "gemma3"])
+def gemma(request, tmp_path_factory):
+    # Gemma 3 runs Gemma 4's modules under its own config (and exports with the same cache layout)
+    export = gemma3_export if request.param == "gemma3" else gemma_export
+    out = tmp_path_factory.mktemp(request.param)
+    return export_pt2.run(export.ARCHITECTURE, export.cache_layout, dynamic_prompt=True, recipe="int4",
                           out=str(out / "export"), max_seq_len=MAX_SEQ_LEN, decode_steps=DECODE_STEPS, quiet=True)
 
 
@@ -88,13 +91,13 @@ def qwen(qwen_bundle, tmp_path_factory):
     return _export_qwen(qwen_bundle, str(tmp_path_factory.mktemp("qwen_export")))
 
 
-def test_gemma4_exported_steps_match_eager(gemma):
+def test_gemma_exported_steps_match_eager(gemma):
     _check_run(gemma)
     kinds = {e.name.rsplit(".", 1)[1] for e in gemma["layout"].entries}
     assert kinds == {"keys", "values"}
 
 
-def test_gemma4_prefill_prompt_length_is_dynamic(gemma):
+def test_gemma_prefill_prompt_length_is_dynamic(gemma):
     """A prompt longer than the sliding window (8) and of another length than the traced one."""
     prefill, _ = gemma["programs"]
     prompt = torch.randint(0, gemma["model"].config.vocab_size, (1, 13), generator=torch.Generator().manual_seed(5))

@@ -259,6 +259,22 @@ def export_steps_pte(model: nn.Module, layout: StaticCacheLayout, *, prompt_len:
     return manager, (prefill, decode)
 
 
+def model_to_pte(model: nn.Module, layout: StaticCacheLayout, *, prompt_len: int, max_seq_len: int,
+                 dynamic_prompt: bool, out_path: str, experts: str = "op"):
+    """The eager quantized model (changed in place) -> .pte at `out_path`: MoE blocks to llmq's op (experts="op",
+    where the model has any) or dense 8da loops, every other quantized linear to 8da, then export_steps_pte.
+    Returns (manager, (prefill, decode) programs, counts {"linears", "expert_blocks", "moe_op_blocks"})."""
+    op_blocks: List[str] = []
+    if experts == "op" and any(isinstance(m, QuantizedExperts) for m in model.modules()):
+        op_blocks = _swap_in_moe_op(model)
+    counts = to_8da(model)
+    counts["moe_op_blocks"] = len(op_blocks)
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+    manager, programs = export_steps_pte(model, layout, prompt_len=prompt_len, max_seq_len=max_seq_len,
+                                         dynamic_prompt=dynamic_prompt, out_path=out_path)
+    return manager, programs, counts
+
+
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.double() - b.double()).abs().max().item()
 
@@ -313,18 +329,13 @@ def run(arch: Architecture, make_layout: Callable[[nn.Module, int], StaticCacheL
     with torch.no_grad():  # the llmq eager model's own steps, before the swap
         eager = {"prefill": PrefillStep(model, layout), "decode": DecodeStep(model, layout)}
         eager_logits = _eager_logits(eager, prompt, decode_steps)
-    op_blocks: List[str] = []
-    if experts == "op" and any(isinstance(m, QuantizedExperts) for m in model.modules()):
-        op_blocks = _swap_in_moe_op(model)
-    counts = to_8da(model)
-    counts["moe_op_blocks"] = len(op_blocks)
     if out is None:
         out = os.path.join(tempfile.mkdtemp(prefix=f"llmq-pte-{arch.name}-"), "model.pte")
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     start = time.perf_counter()
-    manager, programs = export_steps_pte(model, layout, prompt_len=prompt_len, max_seq_len=max_seq_len,
-                                         dynamic_prompt=dynamic_prompt, out_path=out)
+    manager, programs, counts = model_to_pte(model, layout, prompt_len=prompt_len, max_seq_len=max_seq_len,
+                                             dynamic_prompt=dynamic_prompt, out_path=out, experts=experts)
     lower_seconds = time.perf_counter() - start
+    op_blocks = counts["moe_op_blocks"]
     pte = PteRunner(out, moe_kernel=bool(op_blocks))
     tokens = eager_logits["tokens"]
     ao = compare((programs[0].module(), programs[1].module()), pte, prompt, decode_steps, tokens)
@@ -337,7 +348,7 @@ def run(arch: Architecture, make_layout: Callable[[nn.Module, int], StaticCacheL
         ("bundle", bundle_path + (" (temporary)" if bundle is None else "")),
         ("output", out), ("size", f"{os.path.getsize(out):,} bytes"),
         ("converted to 8da", f"{counts['linears']} linears, {counts['expert_blocks']} expert blocks (dense loop)"),
-        ("MoE op blocks", f"{len(op_blocks)} (llmq::quantized_moe_ffn.out; prefill/decode calls "
+        ("MoE op blocks", f"{op_blocks} (llmq::quantized_moe_ffn.out; prefill/decode calls "
                           f"{_op_calls(manager, 'prefill')} / {_op_calls(manager, 'decode')})"),
         ("XNNPACK delegates prefill/decode", f"{stats['prefill']['delegates']} / {stats['decode']['delegates']}"),
         ("linears outside XNNPACK", f"{stats['prefill']['linear_outside']} / {stats['decode']['linear_outside']}"),

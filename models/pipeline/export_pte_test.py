@@ -15,19 +15,21 @@ What the .pte computes differs from the eager llmq model in three ways:
 
 Error bounds used below, derived from that arithmetic (x one token's input, W_n one output row):
 * one linear, worst case: |dy_n| <= (s/2) * ||W_n||_1 + 2^-9 * sum_k |x_k W_nk|  (single-linear test);
-* one linear, statistically: dy_n has standard deviation <= (s/sqrt(12)) ||W_n||_2 + (2^-9/sqrt(3)) ||x||_2 ||W_n||_2;
-* an expert projection under the op, the same with step amax/127 (per row, over the tokens routed
-  to that expert);
-* the model: the linears' rounding errors are independent, so their contributions to the logits add
-  in quadrature; to first order each reaches the logits with its relative size, so the logits' error
-  has standard deviation <= max|logit| * sqrt(sum_l r_l^2), with r_l the above divided by rms(y_l),
-  maximised over tokens and rows and measured on the eager model's own activations (every linear,
-  and for Qwen every routed expert's gate_up and down in every MoE layer); the test allows 6 standard
-  deviations. Against the same exported program run in eager torch (torchao's 8da reference numerics
-  and the torch op: identical activation quantization, float32 scales) only term 2 remains.
+* the model: the rounding-error model makes each rounding above an independent uniform error (an
+  activation element moved by U[-s/2, s/2] with its own step s, a 4-bit group scale by a relative
+  U[-2^-9, 2^-9]). The test runs the eager llmq model under several draws of exactly that model
+  (`_rounding_model`: the same steps, per token for 8da linears and per row and weight group for the
+  experts, computed from the model's own activations) and takes each draw's max |logit difference|
+  over prefill and the decode steps; the .pte, one realisation of the real roundings, must stay
+  within 3 times the median draw, a bound that must itself be below 25% of max|logit| (a wrong cache
+  slot or a garbage kernel moves logits by about max|logit|). Measured on the tiny models: Gemma's
+  draws 4.7e-2..5.8e-2 at max|logit| 8.4, its .pte 4.6e-2; Qwen's draws 6.4e-3..4.1e-2 at 0.87 (its
+  random router has near-ties, and most draws flip a routing choice somewhere), its .pte 6.5e-3. The same holds against the exported program run
+  in eager torch (torchao's 8da numerics): XNNPACK rounds activations itself (with its own zero point)
+  and stores bfloat16 scales, so what differs is rounding of the same kinds.
 """
 
-import math
+import contextlib
 
 import pytest
 import torch
@@ -116,54 +118,62 @@ def test_refused_forms_really_are_wrong_in_the_pte(tmp_path):
     assert (y - exact).abs().max() > 0.1 * exact.abs().max()
 
 
-def _relative_noise(model: nn.Module, steps, prompt, decode_steps):
-    """({linear: statistical relative error r_l}, {linear: the bfloat16-scale term of r_l alone}) (module
-    docstring), maximised over the eager llmq model's activations over the same steps. Routed experts (the
-    MoE kernel's symmetric per-row activation quantization) count each expert's gate_up and down."""
-    worst, worst_bf16 = {}, {}
+def _noise(x: torch.Tensor, step: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    """x plus one draw of the rounding-error model: independent U[-step/2, step/2] per element."""
+    return x + (torch.rand(x.shape, generator=g, dtype=torch.float64).to(x.dtype) - 0.5) * step
 
-    def keep(name, act, scl=0.0):
-        worst[name] = max(worst.get(name, 0.0), act + scl)
-        worst_bf16[name] = max(worst_bf16.get(name, 0.0), scl)
 
-    def rms(y):
-        return max(y.float().pow(2).mean().sqrt().item(), 1e-30)
+def _group_step(x: torch.Tensor, group: int) -> torch.Tensor:
+    """The MoE kernel's activation step per row and weight group, symmetric: amax/127, broadcast to x."""
+    rows, k = x.shape
+    step = x.reshape(rows, k // group, group).abs().amax(-1, keepdim=True) / 127
+    return step.expand(rows, k // group, group).reshape(rows, k)
 
-    hooks = []
-    for name, module in model.named_modules():
+
+@contextlib.contextmanager
+def _rounding_model(model: nn.Module, g: torch.Generator):
+    """The eager llmq model with one draw of the .pte's roundings as independent uniform errors (module
+    docstring): every quantized linear's input by torchao's per-token step, its 4-bit group scales by a relative
+    U[-2^-9, 2^-9] (XNNPACK's bfloat16 scales), and each routed expert's gate_up and down inputs by the MoE
+    kernel's per-row, per-group step."""
+    hooks, scales, experts = [], [], []
+    for module in model.modules():
         if isinstance(module, QuantizedLinear):
-            w = dequantize(module.quantized_weight(), torch.float32)
-            w2 = w.norm(dim=-1).max().item()
-            bf16 = 2.0**-9 / math.sqrt(3) if module.bits == 4 else 0.0
-
-            def hook(mod, args, out, name=name, w2=w2, bf16=bf16):
-                x = args[0].reshape(-1, args[0].shape[-1]).float()
-                act = (_act_scale(x).max().item() / math.sqrt(12)) * w2 / rms(out)
-                keep(name, act, bf16 * x.norm(dim=-1).max().item() * w2 / rms(out))
-
-            hooks.append(module.register_forward_hook(hook))
+            hooks.append(module.register_forward_pre_hook(
+                lambda mod, args: (_noise(args[0], _act_scale(args[0]), g),) + args[1:]))
+            if module.bits == 4:
+                scales.append((module.weight_scale, module.weight_scale.clone()))
+                module.weight_scale.mul_(1 + (torch.rand(module.weight_scale.shape, generator=g) * 2 - 1) * 2.0**-9)
         elif isinstance(module, QuantizedExperts):
 
-            def experts_hook(mod, args, out, name=name):
-                x, _, index = args
-                x = x.float()
-                for e in torch.unique(index).tolist():
-                    xe = x[torch.where(index == e)[0]]
-                    w13, w2 = mod.gate_up.expert(e).float(), mod.down.expert(e).float()
-                    gate_up = F.linear(xe, w13)
-                    gate, up = gate_up.chunk(2, dim=-1)
-                    h = F.silu(gate) * up
-                    for part, inp, w, y in (("gate_up", xe, w13, gate_up), ("down", h, w2, F.linear(h, w2))):
-                        step = inp.abs().amax(-1).max().item() / 127
-                        keep(f"{name}.{e}.{part}", step / math.sqrt(12) * w.norm(dim=-1).max().item() / rms(y))
+            def noisy_expert(x, e, mod=module):
+                x = _noise(x, _group_step(x, mod.gate_up.group_size), g)
+                gate, up = F.linear(x, mod.gate_up.expert(e).to(x.dtype)).chunk(2, dim=-1)
+                h = F.silu(gate) * up
+                return F.linear(_noise(h, _group_step(h, mod.down.group_size), g), mod.down.expert(e).to(x.dtype))
 
-            hooks.append(module.register_forward_hook(experts_hook))
+            module._expert = noisy_expert
+            experts.append(module)
     try:
-        export_pte._eager_logits(steps, prompt, decode_steps)
+        yield
     finally:
         for h in hooks:
             h.remove()
-    return worst, worst_bf16
+        for buffer, original in scales:
+            buffer.copy_(original)
+        for module in experts:
+            del module._expert
+
+
+def _logits_fed(steps, prompt, tokens):
+    """Prefill + one decode step per token of `tokens` (the tokens the .pte was fed); the logits of each step."""
+    logits, cache = steps["prefill"](prompt)
+    out, position = [logits], prompt.shape[1]
+    for token in tokens:
+        logits, cache = steps["decode"](torch.tensor([[token]]), torch.tensor(position, dtype=torch.long), cache)
+        out.append(logits)
+        position += 1
+    return out
 
 
 def _model_case(arch_module, export_module, tmp_path, recipe=None):
@@ -177,8 +187,8 @@ def _model_case(arch_module, export_module, tmp_path, recipe=None):
     return result, result["scale"], None, decode_steps
 
 
-def _check_vs_eager(result, scale, decode_steps, tmp_path, arch_module, export_module):
-    # Rebuild the eager llmq model (before the 8da swap) to measure the per-linear noise.
+def _check_vs_eager(result, scale, decode_steps, tmp_path, arch_module, export_module, draws=7):
+    # Rebuild the eager llmq model (before the 8da swap) and run it under draws of the rounding model.
     from models.pipeline import export_pt2
     from models.pipeline.export_pt2 import DecodeStep, PrefillStep
 
@@ -188,25 +198,39 @@ def _check_vs_eager(result, scale, decode_steps, tmp_path, arch_module, export_m
     export_pt2.to_float32(model)
     layout = export_module.cache_layout(model, 32)
     steps = {"prefill": PrefillStep(model, layout), "decode": DecodeStep(model, layout)}
+    tokens = result["ao"]["tokens"]
+    assert len(tokens) == decode_steps
     with torch.no_grad():
-        terms, terms_bf16 = _relative_noise(model, steps, result["prompt"], decode_steps)
-    experts = [n for n in terms if ".experts." in n]
-    assert bool(experts) == (result["counts"].get("moe_op_blocks", 0) > 0), experts  # experts counted iff the op ran
-    rel = math.sqrt(sum(r * r for r in terms.values()))
-    rel_bf16 = math.sqrt(sum(r * r for r in terms_bf16.values()))
-    tolerance = 6 * scale * rel
-    assert tolerance < 0.5 * scale, f"the bound is vacuous: {tolerance} vs max|logit| {scale}"
-    assert max(result["vs_eager"]) <= tolerance, (result["vs_eager"], tolerance)
-    # vs torchao's eager 8da numerics (same activation quantization): only the bfloat16 scales remain
-    assert max(result["vs_ao"]) <= 6 * scale * rel_bf16 + 1e-4 * scale, (result["vs_ao"], rel_bf16)
+        eager = _logits_fed(steps, result["prompt"], tokens)
+        assert max(_max_abs(a, b) for a, b in zip(eager, result["eager"]["logits"])) <= 1e-5 * scale  # same model
+        g = torch.Generator().manual_seed(0)
+        simulated = []
+        for _ in range(draws):
+            with _rounding_model(model, g):
+                noisy = _logits_fed(steps, result["prompt"], tokens)
+            simulated.append(max(_max_abs(a, b) for a, b in zip(noisy, eager)))
+    # the .pte is one realisation of the same roundings: its deviation is of the simulated draws' size
+    tolerance = 3 * sorted(simulated)[draws // 2]
+    assert tolerance < 0.25 * scale, f"the bound is vacuous: {tolerance} vs max|logit| {scale}"
+    assert max(result["vs_eager"]) <= tolerance, (result["vs_eager"], simulated)
+    # against torchao's eager 8da numerics (the same program run in eager torch) what differs is XNNPACK's own
+    # rounding of the same kinds (its activation quantization, bfloat16 scales): within the same bound
+    assert max(result["vs_ao"]) <= tolerance, (result["vs_ao"], simulated)
+    # and activations really were quantized in the .pte (float kernels would agree to ~1e-6 of max|logit|)
+    assert max(result["vs_eager"]) > 0.05 * min(simulated), (result["vs_eager"], simulated)
 
 
-def test_gemma4_pte_prefill_and_decode(tmp_path):
-    from models.gemma4 import export as gemma_export
-    from models.gemma4 import spec as gemma_spec
+def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.double() - b.double()).abs().max().item()
 
-    result, scale, _, steps = _model_case(gemma_spec, gemma_export, tmp_path)
-    _check_vs_eager(result, scale, steps, tmp_path, gemma_spec, gemma_export)
+
+@pytest.mark.parametrize("model", ["gemma4", "gemma3"])
+def test_gemma_pte_prefill_and_decode(tmp_path, model):
+    import importlib
+
+    spec, export = (importlib.import_module(f"models.{model}.{part}") for part in ("spec", "export"))
+    result, scale, _, steps = _model_case(spec, export, tmp_path)
+    _check_vs_eager(result, scale, steps, tmp_path, spec, export)
 
 
 def test_qwen_pte_prefill_and_decode(tmp_path):

@@ -324,6 +324,25 @@ def test_int4_recipe_quantizes_float_tensors_and_keeps_gguf_ones(tmp_path):
     assert isinstance(from_recipe, GroupQuantizedWeight) and from_recipe.bits == 4
 
 
+def test_requantize_gguf_gives_every_matrix_the_recipes_format(tmp_path):
+    """--requantize_gguf: the GGUF-quantized matrices are dequantized exactly (gguf-py's values) and quantized by
+    the recipe like the float ones, so the bundle holds the recipe's INT4 g32 symmetric codes of those values."""
+    from llmq.quant import QuantConfig, quantize_weight
+
+    path = tmp_path / "model.gguf"
+    _, _, reference, types = _write_gguf(GEMMA4, path)
+    result = run(GEMMA4, checkpoint=str(path), recipe="int4", backend="bundle", out=str(tmp_path / "out"),
+                 resume=False, max_shard_size=1 << 20, verify=False, seed=0, progress=False, requantize_gguf=True)
+    bundle = load_bundle(result["bundle"])
+    matrices = [n for n in types if n != "model.embed_tokens.weight"]
+    assert matrices and all(t != "F32" for n in matrices for t in types[n])  # every one quantized in the GGUF
+    for name in matrices:
+        value = bundle[name]
+        expected = quantize_weight(reference[name].float(), QuantConfig(bits=4, group_size=32, symmetric=True))
+        assert isinstance(value, GroupQuantizedWeight) and (value.bits, value.group_size) == (4, 32), name
+        assert torch.equal(value.qdata, expected.qdata) and torch.equal(value.scale, expected.scale), name
+
+
 def test_wrong_architecture_is_refused(tmp_path):
     path = tmp_path / "model.gguf"
     _write_gguf(GEMMA4, path)

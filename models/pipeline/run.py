@@ -73,7 +73,7 @@ def run(arch: Architecture, *, checkpoint: Optional[str], recipe: Optional[str],
         use_moe_op: bool = False, verify_min_cosine: float = 0.9, verify_warn_only: bool = False,
         others: Sequence[Architecture] = (), error_report: bool = False, calibration_text: Optional[str] = None,
         calibration_tokens: int = 512, budget_bits_per_weight: Optional[float] = None,
-        budget_method: str = "hqq") -> Dict:
+        budget_method: str = "hqq", requantize_gguf: bool = False) -> Dict:
     """The whole job; returns the numbers it printed (for tests)."""
     try:
         writer = get_backend(backend)
@@ -121,7 +121,9 @@ def run(arch: Architecture, *, checkpoint: Optional[str], recipe: Optional[str],
         _check_recipe(quant_recipe, recipe_name, arch, config, expected)
 
         def model_stream(notes=None):
-            return checked_stream(source.stream(notes), expected, checkpoint)
+            stream = checked_stream(source.stream(notes), expected, checkpoint)
+            # requantize_gguf: the GGUF's quantized tensors, dequantized exactly, go to the recipe like float ones
+            return _as_float(stream) if requantize_gguf and source.from_gguf else stream
 
         calibration = None
         if calibration_text is not None:

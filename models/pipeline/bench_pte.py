@@ -1,0 +1,168 @@
+"""ExecuTorch .pte against eager llmq on one quantized model: size, load time, prefill and decode tokens/s.
+
+    bazel run //models/pipeline:bench_pte -- --arch=gemma3 --checkpoint=$PWD/gemma-3-270m-q4_k_m.gguf
+        [--recipe=int4-e8] [--prompt_len=64] [--decode_steps=32] [--max_seq_len=128] [--repeat=3]
+        [--out=$PWD/gemma3.pte [--reuse_pte]] [--prompt="The capital of France is"] [--text_tokens=24]
+
+Both sides hold the same quantized weights (the bundle's codes and scales) and the same static cache
+(export_pt2's steps, float32 activations): "eager llmq" is the quantized model's own PrefillStep /
+DecodeStep in torch, the .pte is export_pte's (8da linears on XNNPACK, MoE blocks through llmq's op)
+run by executorch.runtime. One round is a prefill of --prompt_len tokens then --decode_steps decode
+steps fed the eager model's greedy tokens; rounds alternate eager and .pte, best of --repeat. Load:
+eager = read the bundle and build the model; .pte = Runtime.load_program + both methods. Needs
+executorch (optional: docs/executorch.md).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import tempfile
+import time
+
+import torch
+from absl import app, flags
+
+from llmq.checkpoint import load_bundle
+from models.common.tokenizer import has_tokenizer, load_tokenizer
+from models.pipeline import export_pt2, export_pte
+from models.pipeline.export_pt2 import DecodeStep, PrefillStep
+from models.pipeline.quantized_model import build_quantized_model
+
+flags.DEFINE_string("arch", "gemma3", "Model package under models/: gemma3, gemma4 or qwen.")
+flags.DEFINE_integer("repeat", 3, "Rounds per side (best is reported).", lower_bound=1)
+flags.DEFINE_string("prompt", "The capital of France is", "Text both sides continue greedily (where the checkpoint "
+                    "has a tokenizer), printed side by side.")
+flags.DEFINE_integer("text_tokens", 24, "Tokens of that greedy continuation.", lower_bound=1)
+flags.DEFINE_boolean("reuse_pte", False, "Load the .pte at --out (written by an earlier run with the same "
+                     "--checkpoint, --recipe and --max_seq_len) instead of exporting again.")
+# --checkpoint, --recipe, --out (the .pte; default temporary) are quantize_and_save's flags, --prompt_len,
+# --decode_steps and --max_seq_len export_pt2's.
+FLAGS = flags.FLAGS
+
+
+def _folder_bytes(folder: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(folder) for f in files)
+
+
+@torch.no_grad()
+def _round(prefill, decode, prompt, tokens):
+    """(prefill seconds, decode seconds, prefill logits, last decode logits) of one prefill + len(tokens) steps."""
+    start = time.perf_counter()
+    logits, cache = prefill(prompt)
+    prefill_s = time.perf_counter() - start
+    first = logits
+    position = prompt.shape[1]
+    start = time.perf_counter()
+    for token in tokens:
+        logits, cache = decode(torch.tensor([[token]]), torch.tensor(position, dtype=torch.long), tuple(cache))
+        position += 1
+    return prefill_s, time.perf_counter() - start, first, logits
+
+
+@torch.no_grad()
+def _greedy(prefill, decode, ids, new_tokens: int, eos) -> list:
+    logits, cache = prefill(torch.tensor([ids]))
+    out, position = [], len(ids)
+    for _ in range(new_tokens):
+        out.append(int(logits[0, -1].argmax()))
+        if out[-1] in eos:
+            break
+        logits, cache = decode(torch.tensor([[out[-1]]]), torch.tensor(position, dtype=torch.long), tuple(cache))
+        position += 1
+    return out
+
+
+def bench(arch_name: str, *, checkpoint, recipe, prompt_len: int, decode_tokens: int, max_seq_len: int, repeat: int,
+          out, reuse_pte: bool = False, text: str = "", text_tokens: int = 24) -> list:
+    arch = importlib.import_module(f"models.{arch_name}.spec").ARCHITECTURE
+    export = importlib.import_module(f"models.{arch_name}.export")
+    if prompt_len + decode_tokens > max_seq_len:
+        raise SystemExit(f"--prompt_len {prompt_len} + --decode_steps {decode_tokens} exceeds --max_seq_len {max_seq_len}")
+    workdir = tempfile.mkdtemp(prefix=f"llmq-bench-pte-{arch_name}-")
+    model, bundle = export_pt2.load_quantized_model(arch, bundle=None, checkpoint=checkpoint, recipe=recipe, seed=0,
+                                                    workdir=workdir)
+    start = time.perf_counter()
+    eager = build_quantized_model(arch.build_model(model.config, device="meta"), load_bundle(bundle))
+    eager_load = time.perf_counter() - start
+    for m in (model, eager):
+        export_pt2.to_float32(m)
+    layout = export.cache_layout(eager, max_seq_len)
+    eager_steps = (PrefillStep(eager, layout), DecodeStep(eager, layout))
+    prompt = torch.randint(0, model.config.vocab_size, (1, prompt_len), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():  # the greedy continuation both sides are fed
+        logits, cache = eager_steps[0](prompt)
+        tokens, position = [], prompt_len
+        for _ in range(decode_tokens):
+            tokens.append(int(logits[0, -1].argmax()))
+            logits, cache = eager_steps[1](torch.tensor([[tokens[-1]]]), torch.tensor(position), cache)
+            position += 1
+
+    out = out or os.path.join(workdir, "model.pte")
+    if reuse_pte:
+        if not os.path.isfile(out):
+            raise SystemExit(f"--reuse_pte: no .pte at --out {out}")
+        lower_s, counts = None, {"linears": "-", "moe_op_blocks": int(any("Experts" in type(m).__name__
+                                                                            for m in model.modules()))}
+    else:
+        start = time.perf_counter()
+        _, _, counts = export_pte.model_to_pte(model, export.cache_layout(model, max_seq_len), prompt_len=prompt_len,
+                                               max_seq_len=max_seq_len, dynamic_prompt=export.DYNAMIC_PROMPT,
+                                               out_path=out)
+        lower_s = time.perf_counter() - start
+    del model
+    pte = export_pte.PteRunner(out, moe_kernel=counts["moe_op_blocks"] > 0)
+    texts = []
+    if text and checkpoint is not None and has_tokenizer(checkpoint):
+        tok = load_tokenizer(checkpoint)
+        ids = tok.encode(text)
+        eos = {tok.eos_token_id} if tok.eos_token_id is not None else set()
+        if len(ids) + text_tokens > max_seq_len:
+            raise SystemExit(f"--prompt ({len(ids)} tokens) + --text_tokens {text_tokens} exceeds --max_seq_len")
+        generated = [_greedy(*steps, ids, text_tokens, eos) for steps in (eager_steps, (pte.prefill, pte.decode))]
+        texts.append((f"greedy: {text!r} ->", *(repr(tok.decode(g)) for g in generated),
+                      "same tokens" if generated[0] == generated[1] else "differs"))
+
+    best = {"eager": [float("inf")] * 2, "pte": [float("inf")] * 2}
+    outputs = {}
+    for _ in range(repeat):
+        for side, (prefill, decode) in (("eager", eager_steps), ("pte", (pte.prefill, pte.decode))):
+            p_s, d_s, first, last = _round(prefill, decode, prompt, tokens)
+            best[side] = [min(best[side][0], p_s), min(best[side][1], d_s)]
+            outputs[side] = (first, last)
+    (e_first, e_last), (p_first, p_last) = outputs["eager"], outputs["pte"]
+    scale = max(e_first.abs().max().item(), e_last.abs().max().item())
+    agree = (e_first[0].argmax(-1) == p_first[0].argmax(-1)).float().mean().item()
+    diff = max((e_first - p_first).abs().max().item(), (e_last - p_last).abs().max().item())
+
+    def row(label, e, p, fmt):
+        return (label, f"{fmt(e)}", f"{fmt(p)}", f"{p / e:.2f}x")
+
+    rate = "{:,.1f}".format
+    return [
+        ("", "eager llmq", ".pte (ExecuTorch, XNNPACK)", ".pte / eager"),
+        row("size (bytes; eager: the bundle)", _folder_bytes(bundle), os.path.getsize(out), "{:,}".format),
+        row("load (s)", eager_load, pte.load_seconds, "{:.3f}".format),
+        row(f"prefill, {prompt_len} tokens (tokens/s)", prompt_len / best["eager"][0], prompt_len / best["pte"][0], rate),
+        row("decode (tokens/s)", decode_tokens / best["eager"][1], decode_tokens / best["pte"][1], rate),
+        ("export + lower (s)", "", "reused" if lower_s is None else f"{lower_s:.1f}", ""),
+        ("8da linears / MoE op blocks", "", f"{counts['linears']} / {counts['moe_op_blocks']}", ""),
+        ("prefill argmax agreement", "", f"{agree:.3f}", ""),
+        ("max |logit diff| / max |logit|", "", f"{diff / scale:.2e} (max |logit| {scale:.2f})", ""),
+    ] + texts
+
+
+def main(argv):
+    del argv
+    export_pte.require_executorch()
+    rows = bench(FLAGS.arch, checkpoint=FLAGS.checkpoint, recipe=FLAGS.recipe, prompt_len=FLAGS.prompt_len,
+                 decode_tokens=FLAGS.decode_steps, max_seq_len=FLAGS.max_seq_len, repeat=FLAGS.repeat, out=FLAGS.out,
+                 reuse_pte=FLAGS.reuse_pte, text=FLAGS.prompt, text_tokens=FLAGS.text_tokens)
+    print(f"threads: torch {torch.get_num_threads()}; load average {os.getloadavg()[0]:.1f}; .pte {FLAGS.out or '(temporary)'}")
+    widths = [max(len(str(r[i])) for r in rows) for i in range(4)]
+    for r in rows:
+        print("| " + " | ".join(str(c).ljust(w) for c, w in zip(r, widths)) + " |")
+
+
+if __name__ == "__main__":
+    app.run(main)
