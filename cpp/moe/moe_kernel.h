@@ -149,7 +149,19 @@ struct MoEArgs {
   static MoEArgs routed(const float* x, int64_t tokens, int64_t hidden, const float* router,
                         const float* expert_bias, int64_t experts, int64_t top_k, ScoreFunc score,
                         double route_scale, const QMatrix& w13, const QMatrix& w2) {
-    return {x, tokens, hidden, router, expert_bias, experts, top_k, score, static_cast<float>(route_scale), w13, w2};
+    MoEArgs a;  // member by member: the header is also built as C++11 by consumers (no aggregate init here)
+    a.x = x;
+    a.tokens = tokens;
+    a.hidden = hidden;
+    a.router = router;
+    a.expert_bias = expert_bias;
+    a.experts = experts;
+    a.top_k = top_k;
+    a.score = score;
+    a.route_scale = static_cast<float>(route_scale);
+    a.w13 = w13;
+    a.w2 = w2;
+    return a;
   }
 };
 
