@@ -150,17 +150,9 @@ struct MoEArgs {
                         const float* expert_bias, int64_t experts, int64_t top_k, ScoreFunc score,
                         double route_scale, const QMatrix& w13, const QMatrix& w2) {
     MoEArgs a;  // member by member: the header is also built as C++11 by consumers (no aggregate init here)
-    a.x = x;
-    a.tokens = tokens;
-    a.hidden = hidden;
-    a.router = router;
-    a.expert_bias = expert_bias;
-    a.experts = experts;
-    a.top_k = top_k;
-    a.score = score;
-    a.route_scale = static_cast<float>(route_scale);
-    a.w13 = w13;
-    a.w2 = w2;
+    a.x = x; a.tokens = tokens; a.hidden = hidden; a.router = router; a.expert_bias = expert_bias;
+    a.experts = experts; a.top_k = top_k; a.score = score; a.route_scale = static_cast<float>(route_scale);
+    a.w13 = w13; a.w2 = w2;
     return a;
   }
 };
