@@ -24,19 +24,10 @@ from llmq.checkpoint import (
     read_manifest,
     save_bundle,
 )
-from llmq.quant import QuantConfig, dequantize, quantize_weight
+from llmq.checkpoint.testing_util import FORMAT_CONFIGS as CONFIGS
+from llmq.quant import dequantize, quantize_weight
 from llmq.quant.formats import format_names, format_of, get_format
 
-CONFIGS = {
-    "int4": QuantConfig(format="int", bits=4, group_size=32),
-    "int5_asym": QuantConfig(format="int", bits=5, group_size=64, symmetric=False),
-    "fp8_tensor": QuantConfig(format="fp8", bits=8, group_size=0),
-    "fp8_channel": QuantConfig(format="fp8", bits=8, group_size=None),
-    "fp8_block128": QuantConfig(format="fp8", bits=8, group_size=128),
-    "mxfp4": QuantConfig(format="mxfp4", bits=4, group_size=32),
-    "mxfp8": QuantConfig(format="mxfp8", bits=8, group_size=32),
-    "nvfp4": QuantConfig(format="nvfp4", bits=4, group_size=16),
-}
 
 
 def weights(seed):

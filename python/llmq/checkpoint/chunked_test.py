@@ -12,7 +12,8 @@ import torch
 from safetensors.torch import save_file
 
 from llmq.checkpoint import NonFiniteWeightError, iter_checkpoint, load_bundle, save_bundle
-from llmq.quant import QuantConfig, QuantRecipe, QuantRule, quantize_stream
+from llmq.checkpoint.testing_util import FORMAT_CONFIGS as CONFIGS
+from llmq.quant import QuantRecipe, QuantRule, quantize_stream
 from llmq.quant.chunked import QuantizedRowBlocks, RowBlocks, TensorRowBlocks, quantize_row_blocks
 
 CHUNK = 4096  # bytes: a 384 x 256 bf16 weight (192 KiB) becomes 48 blocks of 8 rows
@@ -58,17 +59,6 @@ def _bundle(src, out, recipe, chunk_bytes, seen=None, **kwargs):
     return _files(out)
 
 
-CONFIGS = {
-    "int4_g32_asym": QuantConfig(bits=4, group_size=32),
-    "int4_g64_sym": QuantConfig(bits=4, group_size=64, symmetric=True),
-    "int8_row": QuantConfig(bits=8, group_size=None),
-    "fp8_tensor": QuantConfig(format="fp8", bits=8, group_size=0),
-    "fp8_channel": QuantConfig(format="fp8", bits=8, group_size=None),
-    "fp8_block128": QuantConfig(format="fp8", bits=8, group_size=128),
-    "nvfp4": QuantConfig(format="nvfp4", bits=4, group_size=16),
-    "mxfp4": QuantConfig(format="mxfp4", bits=4, group_size=32),
-    "mxfp8": QuantConfig(format="mxfp8", bits=8, group_size=32),
-}
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
@@ -92,7 +82,7 @@ def test_bundle_bytes_equal_whole_tensor_path(tmp_path, config):
     assert seen["model.layers.0.self_attn.q_proj.weight"] is torch.Tensor  # under CHUNK: whole
 
 
-@pytest.mark.parametrize("config", ["int4_g32_asym", "nvfp4"])
+@pytest.mark.parametrize("config", ["int4", "nvfp4"])
 def test_bundle_bytes_equal_with_a_dtype_cast(tmp_path, config):
     """iter_checkpoint(dtype=) casts block by block: the same bytes as casting whole tensors."""
     src = _checkpoint(str(tmp_path))
@@ -169,7 +159,7 @@ def test_quantizer_errors_are_the_whole_tensors(tmp_path):
     """NaN allowed through by the reader: the block quantizer fails and the whole-tensor one
     raises its own message."""
     src = _checkpoint(str(tmp_path), nan_at=(300, 2))
-    recipe = QuantRecipe([QuantRule(r".*down_proj", CONFIGS["int4_g32_asym"])])
+    recipe = QuantRecipe([QuantRule(r".*down_proj", CONFIGS["int4"])])
     errors = []
     for chunk_bytes in (None, CHUNK):
         with pytest.raises(ValueError) as e:
