@@ -27,7 +27,7 @@ from llmq.checkpoint import load_bundle
 from models.common.tokenizer import has_tokenizer, load_tokenizer
 from models.pipeline import export_pt2, export_pte
 from models.pipeline.export_pt2 import DecodeStep, PrefillStep
-from models.pipeline.quantized_model import build_quantized_model
+from models.pipeline.quantized_model import QuantizedExperts, build_quantized_model
 
 flags.DEFINE_string("arch", "gemma3", "Model package under models/: gemma3, gemma4 or qwen.")
 flags.DEFINE_integer("repeat", 3, "Rounds per side (best is reported).", lower_bound=1)
@@ -91,18 +91,13 @@ def bench(arch_name: str, *, checkpoint, recipe, prompt_len: int, decode_tokens:
     eager_steps = (PrefillStep(eager, layout), DecodeStep(eager, layout))
     prompt = torch.randint(0, model.config.vocab_size, (1, prompt_len), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():  # the greedy continuation both sides are fed
-        logits, cache = eager_steps[0](prompt)
-        tokens, position = [], prompt_len
-        for _ in range(decode_tokens):
-            tokens.append(int(logits[0, -1].argmax()))
-            logits, cache = eager_steps[1](torch.tensor([[tokens[-1]]]), torch.tensor(position), cache)
-            position += 1
+        tokens = export_pte._eager_logits(dict(zip(("prefill", "decode"), eager_steps)), prompt, decode_tokens)["tokens"]
 
     out = out or os.path.join(workdir, "model.pte")
     if reuse_pte:
         if not os.path.isfile(out):
             raise SystemExit(f"--reuse_pte: no .pte at --out {out}")
-        lower_s, counts = None, {"linears": "-", "moe_op_blocks": int(any("Experts" in type(m).__name__
+        lower_s, counts = None, {"linears": "-", "moe_op_blocks": int(any(isinstance(m, QuantizedExperts)
                                                                             for m in model.modules()))}
     else:
         start = time.perf_counter()
