@@ -9,9 +9,6 @@
 #if defined(__x86_64__)
 #define LLMQ_FP_X86 1
 #endif
-#if defined(__linux__)
-#endif
-
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -113,21 +110,39 @@ FPQ_INLINE float clamp_e4m3(float y) {
 // fp.py _positive: a non-positive scale (an all-zero group, or an underflow) becomes 1.0.
 FPQ_INLINE float positive(float s) { return s > 0.0f ? s : 1.0f; }
 
-// fp.py mx_exponent: exact ceil(log2(amax / emax)) in float64, clamped to [-127, 127].
-inline int mx_exponent(float amax, double emax) {
-  int ex = 0;
-  const double mant = std::frexp(static_cast<double>(amax) / emax, &ex);
-  int e = mant == 0.5 ? ex - 1 : ex;
-  if (!(amax > 0.0f)) e = -kE8M0Bias;
-  return std::min(std::max(e, -kE8M0Bias), kE8M0Bias);
+// fp.py mx_exponent: exact ceil(log2(amax / emax)), the quotient in float64 (normal there for
+// every finite float32 amax > 0), clamped to [-127, 127]; -127 for amax 0. ceil(log2 v) of a
+// normal double is its unbiased exponent, plus one unless the mantissa bits are all zero.
+FPQ_INLINE int mx_exponent(float amax, double emax) {
+  const uint64_t u = __builtin_bit_cast(uint64_t, static_cast<double>(amax) / emax);
+  int e = static_cast<int>(u >> 52) - 1023 + ((u & 0xFFFFFFFFFFFFFull) != 0 ? 1 : 0);
+  e = amax > 0.0f ? e : -kE8M0Bias;
+  e = e < -kE8M0Bias ? -kE8M0Bias : e;
+  return e > kE8M0Bias ? kE8M0Bias : e;
+}
+
+// 2^p as a float32 for p in [-127, 127] (2^-127 is the one subnormal).
+FPQ_INLINE float pow2(int p) {
+  return p > -127 ? float_of(static_cast<uint32_t>(p + 127) << 23) : float_of(0x00400000u);
 }
 
 FPQ_INLINE void fp8_row(const float* x, int64_t n, float scale, uint8_t* out) {
   for (int64_t i = 0; i < n; ++i) out[i] = e4m3_code(clamp_e4m3(x[i] / scale));  // x / scale, clamp, cast
 }
 
+// out[i] = codes[2i] | codes[2i+1] << 4. With v = codes[2i] | codes[2i+1] << 8 (one 16-bit
+// load on a little-endian host), that byte is the low byte of v | v >> 4 (codes are below 16),
+// which vectorises without a byte shuffle.
 FPQ_INLINE void pack_fp4(const uint8_t* codes, int64_t n, uint8_t* out) {
-  for (int64_t i = 0; i < n / 2; ++i) out[i] = static_cast<uint8_t>(codes[2 * i] | (codes[2 * i + 1] << 4));
+  for (int64_t i = 0; i < n / 2; ++i) {
+#if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    uint16_t v;
+    std::memcpy(&v, codes + 2 * i, 2);
+#else
+    const uint16_t v = static_cast<uint16_t>(codes[2 * i] | (codes[2 * i + 1] << 8));
+#endif
+    out[i] = static_cast<uint8_t>(v | (v >> 4));
+  }
 }
 
 enum class Op { kAmax, kFp8Rows, kFp8Bands, kMx, kNvfp4 };
@@ -226,20 +241,31 @@ FPQ_INLINE void run_impl(const Job& j, int64_t u0, int64_t u1) {
       }
       return;
     }
-    case Op::kMx: {
+    case Op::kMx: {  // as kNvfp4 below: block amax, block exponents, then elements
       const double emax = j.fp4 ? 6.0 : 448.0;
       const int64_t blocks = k / 32;
+      std::vector<uint32_t> bm(blocks);
+      std::vector<float> mul(blocks);
       for (int64_t r = u0; r < u1; ++r) {
         const float* x = load_row<T>(a.w, r * k, k, fb);
         uint8_t* e8 = j.block_out + r * blocks;
+        uint32_t worst = 0;
+        for (int64_t bi = 0; bi < blocks; ++bi) {
+          bm[bi] = amax_bits(x + bi * 32, 32);
+          worst = bm[bi] > worst ? bm[bi] : worst;
+        }
+        if (worst >= kInfBits) {
+          j.bad->store(1);
+          return;
+        }
+        for (int64_t bi = 0; bi < blocks; ++bi) {
+          const int e = mx_exponent(float_of(bm[bi]), emax);
+          e8[bi] = static_cast<uint8_t>(e + kE8M0Bias);
+          mul[bi] = pow2(-e);  // x / 2^e == x * 2^-e: both are the rounded exact product
+        }
         for (int64_t bi = 0; bi < blocks; ++bi) {
           const float* xb = x + bi * 32;
-          uint32_t m;
-          if (!finite_amax(j, xb, 32, &m)) return;
-          const int e = mx_exponent(float_of(m), emax);
-          e8[bi] = static_cast<uint8_t>(e + kE8M0Bias);
-          // x / 2^e == x * 2^-e: both are the rounded exact product, and 2^-e is a float32
-          const float f = std::ldexp(1.0f, -e);
+          const float f = mul[bi];
           if (j.fp4) {
             uint8_t* c = codes.data() + bi * 32;
             for (int i = 0; i < 32; ++i) c[i] = e2m1_code(xb[i] * f);
@@ -253,27 +279,41 @@ FPQ_INLINE void run_impl(const Job& j, int64_t u0, int64_t u1) {
       return;
     }
     case Op::kNvfp4: {
+      // One row in three passes the compiler vectorises: block amax; the block scales (s8)
+      // and divisors of every block; then codes, two per byte. The arithmetic per element is
+      // the reference's, only its order across elements changes.
       const int64_t blocks = k / 16;
+      std::vector<uint32_t> bm(blocks);
+      std::vector<float> denom(blocks), div(k);
       for (int64_t r = u0; r < u1; ++r) {
         const float* x = load_row<T>(a.w, r * k, k, fb);
         const float g = j.scale[r / j.rows_per_group];
         const float six_g = 6.0f * g;  // FP4_E2M1_MAX * gr
         uint8_t* bs = j.block_out + r * blocks;
+        uint32_t worst = 0;
         for (int64_t bi = 0; bi < blocks; ++bi) {
-          const float* xb = x + bi * 16;
-          uint32_t m;
-          if (!finite_amax(j, xb, 16, &m)) return;
-          float s = float_of(m) / six_g;
+          bm[bi] = amax_bits(x + bi * 16, 16);
+          worst = bm[bi] > worst ? bm[bi] : worst;
+        }
+        if (worst >= kInfBits) {
+          j.bad->store(1);
+          return;
+        }
+        for (int64_t bi = 0; bi < blocks; ++bi) {
+          float s = float_of(bm[bi]) / six_g;
           s = s == 0.0f ? 1.0f : s;
           s = s < 0.001953125f ? 0.001953125f : s;  // clamp(2^-9, 448)
           s = s > kE4M3Max ? kE4M3Max : s;
           const uint8_t s8 = e4m3_code(s);
           bs[bi] = s8;
-          const float denom = e4m3_value(s8) * g;  // s8.float() * gr
-          uint8_t* c = codes.data() + bi * 16;
-          for (int i = 0; i < 16; ++i) c[i] = e2m1_code(xb[i] / denom);
+          denom[bi] = e4m3_value(s8) * g;  // s8.float() * gr
         }
-        pack_fp4(codes.data(), k, j.out + r * (k / 2));
+        // every element's divisor, so the code loop below is one flat loop over the row
+        for (int64_t bi = 0; bi < blocks; ++bi)
+          for (int i = 0; i < 16; ++i) div[bi * 16 + i] = denom[bi];
+        uint8_t* c = codes.data();
+        for (int64_t i = 0; i < k; ++i) c[i] = e2m1_code(x[i] / div[i]);
+        pack_fp4(c, k, j.out + r * (k / 2));
       }
       return;
     }
