@@ -9,9 +9,12 @@ phase's own):
   stream    iter_checkpoint -> llmq.quant.quantize_stream (INT4, g32, asymmetric) ->
             save_bundle: throughput (GB of input per second; median and best of --repeat
             fresh processes, this machine being shared) and peak RSS (the worst run's).
+            The stream and fp variants run interleaved, one of each per round, so a slow
+            spell of the shared disk falls on all of them; every phase starts after os.sync().
             Tensors over --chunk-mb travel as blocks of rows (iter_checkpoint chunk_bytes).
   torchao   the usual way: load every shard whole (safetensors.torch.load_file), assign
-            into a model, torchao.quantize_(IntxWeightOnlyConfig(int4, PerGroup(32))).
+            into a model, torchao.quantize_(IntxWeightOnlyConfig(int4, PerGroup(32))); in the
+            same rounds as stream and fp.
   fp        iter_checkpoint -> llmq.export (ModelOpt-style NVFP4 and FP8 per-channel folder,
             streaming shards): the FP paths, same input, same repeat rule as stream.
   gguf      iter_checkpoint over a GGUF of Q4_0/Q8_0/Q4_K/Q6_K tensors: GB/s of input, next to
@@ -320,6 +323,9 @@ PHASES = {"read": phase_read, "stream": phase_stream, "torchao": phase_torchao, 
 
 
 def run_phase(name: str, *args) -> dict:
+    """Runs one phase in a fresh process, after os.sync(): no phase starts while the disk still
+    writes back an earlier one's output."""
+    os.sync()
     cmd = [sys.executable, os.path.abspath(__file__), "--phase", name, "--args", json.dumps(list(args))]
     env = dict(os.environ)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -391,57 +397,55 @@ def main(argv=None) -> int:
                 table.append((size, gb, "same, one `preadv` per tensor (the reader before this change)", one, one, r,
                               info["bytes"]))
                 table.append((size, gb, "`safe_open` get_tensor + clone (reference)", ref_c, ref_c, r, info["bytes"]))
+            timed = []  # (key, phase args, table label): run interleaved, round by round
             if "stream" not in skip:
-                variants = [(True, True), (False, True)] + ([(True, False)] if a.no_fsync_row else [])
-                shard_note = f", {a.max_shard_mb} MiB shards" if a.max_shard_mb else ""
-                for quantize, fsync in variants:
-                    out = os.path.join(a.workdir, f"bundle_{size:g}gb")
-                    runs = [run_phase("stream", ckpt, out, fsync, quantize, a.max_shard_mb << 20, a.chunk_mb << 20)
-                            for _ in range(max(1, a.repeat))]
-                    secs = sorted(r["seconds"] for r in runs)
-                    s = max(runs, key=lambda r: r["peak_rss"] - r["baseline_rss"])  # the worst run's memory
-                    s = dict(s, seconds=statistics.median(secs), best_seconds=secs[0], all_seconds=secs)
-                    what = "INT4 quantize_stream" if quantize else "no quantization (I/O only)"
-                    print(f"read -> {what} -> save_bundle (fsync={fsync}{shard_note}): {gb / s['seconds']:.2f} GB/s "
-                          f"median, {gb / secs[0]:.2f} best of {len(secs)} ({', '.join(f'{x:.2f}' for x in secs)} s), "
-                          f"peak RSS {s['peak_rss'] / 1e6:.0f} MB = "
-                          f"{s['peak_rss'] / info['bytes']:.3f}x checkpoint (above baseline: "
-                          f"{(s['peak_rss'] - s['baseline_rss']) / 1e6:.0f} MB = "
-                          f"{(s['peak_rss'] - s['baseline_rss']) / info['bytes']:.3f}x); output "
-                          f"{s['out_bytes'] / 1e9:.2f} GB", flush=True)
-                    rows.append(("stream", size, dict(s, fsync=fsync, quantize=quantize)))
+                for quantize, fsync in [(False, True), (True, True)] + ([(True, False)] if a.no_fsync_row else []):
                     label = (f"read -> INT4 g32 -> bundle (fsync={fsync})" if quantize
                              else f"I/O only: read -> bundle (fsync={fsync})")
-                    table.append((size, gb, label, gb / s["seconds"], gb / secs[0], s, info["bytes"]))
-                    if not quantize and fsync:
-                        io_rate[size] = gb / s["seconds"]
-                    shutil.rmtree(out, ignore_errors=True)
+                    out = os.path.join(a.workdir, f"bundle_{size:g}gb")
+                    timed.append((("stream", quantize, fsync), ("stream", ckpt, out, fsync, quantize,
+                                                                a.max_shard_mb << 20, a.chunk_mb << 20), label))
             if "fp" not in skip:
                 for fmt in FP_CONFIGS:
                     out = os.path.join(a.workdir, f"fp_{size:g}gb")
-                    runs = [run_phase("fp", ckpt, out, fmt, a.chunk_mb << 20) for _ in range(max(1, a.repeat))]
-                    secs = sorted(r["seconds"] for r in runs)
-                    s = max(runs, key=lambda r: r["peak_rss"] - r["baseline_rss"])
-                    print(f"read -> {fmt} -> ModelOpt HF folder: {gb / statistics.median(secs):.2f} GB/s median, "
-                          f"{gb / secs[0]:.2f} best of {len(secs)}, peak RSS above baseline "
-                          f"{(s['peak_rss'] - s['baseline_rss']) / 1e6:.0f} MB; output {s['out_bytes'] / 1e9:.2f} GB",
-                          flush=True)
-                    table.append((size, gb, f"read -> {fmt.upper()} -> HF folder (ModelOpt style)",
-                                  gb / statistics.median(secs), gb / secs[0], s, info["bytes"]))
-                    shutil.rmtree(out, ignore_errors=True)
+                    timed.append((("fp", fmt), ("fp", ckpt, out, fmt, a.chunk_mb << 20),
+                                  f"read -> {fmt.upper()} -> HF folder (ModelOpt style)"))
+            if "torchao" not in skip:
+                timed.append((("torchao",), ("torchao", ckpt), "whole load + torchao `quantize_` (int4 g32)"))
+            runs = {key: [] for key, _, _ in timed}
+            for _ in range(max(1, a.repeat)):
+                for key, args, _ in timed:
+                    runs[key].append(run_phase(*args))
+                    if len(args) > 2:
+                        shutil.rmtree(args[2], ignore_errors=True)
+            for key, args, label in timed:
+                if key[0] == "torchao":
+                    secs = sorted(r["seconds"] for r in runs[key])
+                    t = dict(max(runs[key], key=lambda r: r["peak_rss"]), seconds=statistics.median(secs))
+                    print(f"whole load + torchao quantize_ (IntxWeightOnly int4 g32): {gb / t['seconds']:.2f} GB/s "
+                          f"median of {len(secs)} ({', '.join(f'{x:.2f}' for x in secs)} s), peak RSS "
+                          f"{t['peak_rss'] / 1e6:.0f} MB = {t['peak_rss'] / info['bytes']:.2f}x checkpoint", flush=True)
+                    rows.append(("torchao", size, t))
+                    table.append((size, gb, label, gb / t["seconds"], gb / secs[0], t, info["bytes"]))
+                    torchao_rate[size] = gb / t["seconds"]
+                    continue
+                secs = sorted(r["seconds"] for r in runs[key])
+                s = max(runs[key], key=lambda r: r["peak_rss"] - r["baseline_rss"])  # the worst run's memory
+                s = dict(s, seconds=statistics.median(secs), best_seconds=secs[0], all_seconds=secs)
+                print(f"{label}: {gb / s['seconds']:.2f} GB/s median, {gb / secs[0]:.2f} best of {len(secs)} "
+                      f"({', '.join(f'{x:.2f}' for x in secs)} s), peak RSS above baseline "
+                      f"{(s['peak_rss'] - s['baseline_rss']) / 1e6:.0f} MB = "
+                      f"{(s['peak_rss'] - s['baseline_rss']) / info['bytes']:.3f}x; output {s['out_bytes'] / 1e9:.2f} GB",
+                      flush=True)
+                if key[0] == "stream":
+                    rows.append(("stream", size, dict(s, fsync=key[2], quantize=key[1])))
+                    if not key[1] and key[2]:
+                        io_rate[size] = gb / s["seconds"]
+                table.append((size, gb, label, gb / s["seconds"], gb / secs[0], s, info["bytes"]))
             if "stream" not in skip:
                 q = run_phase("quant_only", ckpt)
                 print(f"quantize_weight arithmetic alone (one layer in memory): {q['bytes'] / GB / q['seconds']:.2f} GB/s",
                       flush=True)
-            if "torchao" not in skip:
-                t = run_phase("torchao", ckpt)
-                print(f"whole load + torchao quantize_ (IntxWeightOnly int4 g32): {gb / t['seconds']:.2f} GB/s "
-                      f"({t['seconds']:.1f} s, load {t['load_seconds']:.1f} s), peak RSS {t['peak_rss'] / 1e6:.0f} MB "
-                      f"= {t['peak_rss'] / info['bytes']:.2f}x checkpoint", flush=True)
-                rows.append(("torchao", size, t))
-                table.append((size, gb, "whole load + torchao `quantize_` (int4 g32)", gb / t["seconds"],
-                              gb / t["seconds"], t, info["bytes"]))
-                torchao_rate[size] = gb / t["seconds"]
             shutil.rmtree(ckpt, ignore_errors=True) if not a.keep else None
         if "gguf" not in skip:
             path = os.path.join(a.workdir, "synthetic.gguf")

@@ -37,8 +37,6 @@ import mmap
 import os
 import re
 import shutil
-import threading
-from collections import deque
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import blake3
@@ -52,6 +50,7 @@ from llmq.checkpoint.errors import (
     ResumeMismatchError,
     TensorMismatchError,
 )
+from llmq.checkpoint.ordered_worker import OrderedWorker
 from llmq.checkpoint.fileio import copy_file, fsync_path, remove_partial, write_all, write_error, write_file_atomic
 from llmq.checkpoint.safetensors_io import DTYPE_NAMES
 from llmq.checkpoint.shard_file import ShardLayout, ShardRotation, block_writes, placeholder
@@ -234,82 +233,6 @@ def _check_extra_files(paths: Iterable[os.PathLike]) -> List[str]:
     return paths
 
 
-class _Worker:
-    """One background thread running jobs in submission order, with a bound on queued bytes.
-
-    The first failure is kept and re-raised by ``check``/``join`` in the caller's thread;
-    jobs queued after it are dropped (their bytes released), so nothing is written past
-    an error.
-    """
-
-    def __init__(self, name: str, limit_bytes: float):
-        self._limit = limit_bytes
-        self._jobs: deque = deque()
-        self._pending = 0
-        self._submitted = self._finished = 0  # jobs submitted / run (or dropped), in order
-        self._running = False
-        self._cv = threading.Condition()
-        self._stopping = False
-        self.error: Optional[BaseException] = None
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def submit(self, job: Callable[[], None], nbytes: int = 0) -> None:
-        with self._cv:
-            # A job larger than the whole limit still goes in, once the queue is empty, and
-            # submit returns when it has run: its bytes are never queued behind the caller.
-            while self._pending and self._pending + nbytes > self._limit and self.error is None:
-                self._cv.wait()
-            self.check()
-            self._jobs.append((job, nbytes))
-            self._pending += nbytes
-            self._submitted += 1
-            ticket = self._submitted
-            self._cv.notify_all()
-            if nbytes > self._limit:
-                while self._finished < ticket and self.error is None:
-                    self._cv.wait()
-                self.check()
-
-    def idle(self) -> bool:
-        with self._cv:
-            return not self._jobs and not self._running
-
-    def check(self) -> None:
-        if self.error is not None:
-            raise self.error
-
-    def join(self) -> None:
-        """Run every queued job, stop the thread, and re-raise its first error."""
-        with self._cv:
-            self._stopping = True
-            self._cv.notify_all()
-        self._thread.join()
-        self.check()
-
-    def _run(self) -> None:
-        while True:
-            with self._cv:
-                while not self._jobs and not self._stopping:
-                    self._cv.wait()
-                if not self._jobs:
-                    return
-                job, nbytes = self._jobs.popleft()
-                self._running = True
-            try:
-                if self.error is None:
-                    job()
-            except BaseException as e:  # handed to the caller's thread
-                self.error = e
-            finally:
-                job = None  # drop the tensor references before waking the producer
-                with self._cv:
-                    self._pending -= nbytes
-                    self._finished += 1
-                    self._running = False
-                    self._cv.notify_all()
-
-
 class _ShardBuilder:
     """One shard being filled: tensor bytes are written in arrival order after a reserved header gap.
 
@@ -361,7 +284,7 @@ class _ShardBuilder:
                 raise write_error(e, self.tmp, "creating the shard") from None
         return self._fd
 
-    def write(self, writes: List[Tuple[str, int, memoryview]], sync: Optional["_Worker"]) -> None:
+    def write(self, writes: List[Tuple[str, int, memoryview]], sync: Optional["OrderedWorker"]) -> None:
         fd = self._open()
         for entry, offset, mv in writes:
             try:
@@ -374,7 +297,7 @@ class _ShardBuilder:
             dup = os.dup(fd)  # the fsync thread's own handle: closing it never races with ours
             sync.submit(lambda: _fsync_fd(dup, self.tmp, data_only=True))
 
-    def end_writes(self, header: bytes, sync: Optional["_Worker"]) -> None:
+    def end_writes(self, header: bytes, sync: Optional["OrderedWorker"]) -> None:
         """Write the header into the gap and let go of the file (to ``sync`` for an fsync that
         waits on the disk while the shard is hashed and the next one filled)."""
         fd = self._open()
@@ -484,9 +407,9 @@ class BundleWriter:
         self._resumed = len(self.shards)
         self._placed_shards = len(self.shards)  # shards closed in the caller's thread (maybe not yet on disk)
         self._shard = _ShardBuilder(self.partial, self._placed_shards + 1, self.rotation.reserve)
-        self._writer = _Worker("llmq-bundle-writer", write_queue_bytes)
-        self._sealer = _Worker("llmq-bundle-hash", float("inf"))
-        self._syncer = _Worker("llmq-bundle-fsync", float("inf")) if fsync else None
+        self._writer = OrderedWorker("llmq-bundle-writer", write_queue_bytes)
+        self._sealer = OrderedWorker("llmq-bundle-hash", float("inf"))
+        self._syncer = OrderedWorker("llmq-bundle-fsync", float("inf")) if fsync else None
         self._stopped = False
 
     # -- the lock and resume ---------------------------------------------------------------------------

@@ -407,9 +407,9 @@ def test_a_failed_hash_surfaces_at_close_naming_the_shard(tmp_path, monkeypatch)
 
 
 def test_writer_queue_holds_at_most_its_byte_limit():
-    from llmq.checkpoint.bundle import _Worker
+    from llmq.checkpoint.ordered_worker import OrderedWorker
 
-    worker = _Worker("test", limit_bytes=100)
+    worker = OrderedWorker("test", limit_bytes=100)
     pending_seen = []
     for nbytes in (30, 30, 30, 30, 90, 250, 10):  # 250 is over the limit: admitted alone
         worker.submit(lambda: pending_seen.append(worker._pending), nbytes)
@@ -422,9 +422,9 @@ def test_a_job_over_the_limit_has_run_when_submit_returns():
     import threading
     import time
 
-    from llmq.checkpoint.bundle import _Worker
+    from llmq.checkpoint.ordered_worker import OrderedWorker
 
-    worker = _Worker("test", limit_bytes=100)
+    worker = OrderedWorker("test", limit_bytes=100)
     done, gate = [], threading.Event()
     worker.submit(lambda: gate.wait(5) and done.append("small"), 50)  # queued, held by the gate
     threading.Timer(0.2, gate.set).start()

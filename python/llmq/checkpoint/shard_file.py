@@ -26,6 +26,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from llmq.checkpoint.ordered_worker import OrderedWorker
 from llmq.checkpoint.fileio import remove_partial, write_all, write_error
 from llmq.checkpoint.safetensors_io import encode_header, entry_fragment_size, header_json_size
 
@@ -174,14 +175,24 @@ def _as_placed(t) -> torch.Tensor:
     return placeholder(dtype, shape)
 
 
+# Bytes of tensor writes a StreamingShardFile queues for its writer thread, at most: one
+# 16 MiB row block in flight while the caller reads and quantizes the next.
+WRITE_QUEUE_BYTES = 16 << 20
+
+
 class StreamingShardFile(ShardLayout):
-    """A safetensors file at `path`, filled by `add` (each tensor's bytes written at once) and
-    finished by `close`."""
+    """A safetensors file at `path`, filled by `add` and finished by `close`.
+
+    Tensor bytes go to the file on a writer thread (llmq.checkpoint.ordered_worker), at most
+    `WRITE_QUEUE_BYTES` queued, so writing overlaps the caller's next read and quantization; a
+    tensor given to `add` must not be modified in place until `close` returns. A failed write is
+    raised, naming the file and tensor, by the next `add` or by `close`."""
 
     def __init__(self, path: str, reserve: int, metadata: Optional[Dict[str, str]] = None):
         super().__init__(reserve, metadata)
         self.path = path
         self._fd: Optional[int] = None
+        self._worker: Optional[OrderedWorker] = None
 
     def fits(self, name: str, t: torch.Tensor, max_bytes: int) -> bool:
         """Whether `t` can be added (`accepts`); an empty file takes anything whose header fits."""
@@ -226,18 +237,36 @@ class StreamingShardFile(ShardLayout):
             del parts
 
     def write(self, writes: List[Tuple[str, int, memoryview]], name: str) -> None:
-        """Write (name, file offset, bytes) of placed tensors (errors name `name`)."""
+        """Queue (name, file offset, bytes) of placed tensors for the writer thread (errors name
+        `name`)."""
         try:
             if self._fd is None:
                 self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666)  # the umask decides
-            for _, offset, mv in writes:
-                write_all(self._fd, mv, offset)
         except OSError as e:
             raise write_error(e, self.path, "writing the shard", tensor=name) from None
+        if self._worker is None:
+            self._worker = OrderedWorker("llmq-shard-writer", WRITE_QUEUE_BYTES)
+        fd, path = self._fd, self.path
+
+        def job():
+            try:
+                for _, offset, mv in writes:
+                    write_all(fd, mv, offset)
+            except OSError as e:
+                raise write_error(e, path, "writing the shard", tensor=name) from None
+
+        self._worker.submit(job, sum(mv.nbytes for _, _, mv in writes))
+
+    def _stop_writer(self) -> None:
+        """Let the writer thread finish its queue and stop; re-raise its first error."""
+        worker, self._worker = self._worker, None
+        if worker is not None:
+            worker.join()
 
     def close(self) -> None:
-        """Write the header into the gap and close the file."""
+        """Write the header into the gap (after every queued write) and close the file."""
         try:
+            self._stop_writer()
             if self._fd is None:
                 self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666)
             write_all(self._fd, self.header(), 0)
@@ -249,6 +278,11 @@ class StreamingShardFile(ShardLayout):
             self._fd = None
 
     def discard(self) -> None:
-        """Close and delete an unfinished file."""
+        """Stop the writer thread (its error, if any, is the caller's to have raised already),
+        close and delete an unfinished file."""
+        try:
+            self._stop_writer()
+        except Exception:
+            pass
         fd, self._fd = self._fd, None
         remove_partial(fd, self.path)

@@ -77,3 +77,29 @@ def test_fits_refuses_size_alignment_and_header_overflow(tmp_path):
 def test_header_reserve_grows_with_shard_size():
     assert header_reserve(1 << 20) == 4096
     assert header_reserve(5 << 30) == 1 << 20
+
+
+def test_a_failed_background_write_is_raised_naming_file_and_tensor(tmp_path, monkeypatch):
+    """Writes run on the file's writer thread: a failure there comes back to the caller (at the
+    next add or at close) naming the file and the tensor, and later queued writes are dropped."""
+    from llmq.checkpoint import shard_file
+    from llmq.checkpoint.errors import OutputWriteError
+
+    real, written = shard_file.write_all, []
+
+    def full_disk(fd, mv, offset):
+        if written:  # the first tensor lands; the second fails
+            raise OSError(5, "Input/output error")
+        written.append(offset)
+        real(fd, mv, offset)
+
+    monkeypatch.setattr(shard_file, "write_all", full_disk)
+    path = str(tmp_path / "x.safetensors")
+    f = StreamingShardFile(path, header_reserve(1 << 20))
+    with pytest.raises(OutputWriteError, match=r"x\.safetensors.*b\.weight.*Input/output error") as e:
+        for name in ("a.weight", "b.weight", "c.weight", "d.weight"):
+            f.add(name, torch.ones(64, 64))
+        f.close()
+    assert e.value.tensor == "b.weight" and written == [f.reserve]  # nothing after the failure was written
+    f.discard()
+    assert not os.path.exists(path)
