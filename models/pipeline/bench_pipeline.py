@@ -18,7 +18,7 @@ import tempfile
 
 from absl import app, flags
 
-flags.DEFINE_string("arch", "qwen", "qwen or gemma4")
+flags.DEFINE_string("arch", "qwen", "qwen, gemma3 or gemma4")
 flags.DEFINE_list("layers", ["4", "8"], "Decoder-layer counts of the mid-size model (peak should stay flat).")
 flags.DEFINE_string("recipe", "int4", "Recipe preset.")
 FLAGS = flags.FLAGS
@@ -27,6 +27,9 @@ MID_SIZE = {
     "qwen": dict(hidden_size=1024, num_attention_heads=8, num_key_value_heads=2, head_dim=128, linear_key_head_dim=128,
                  linear_value_head_dim=128, linear_num_key_heads=4, linear_num_value_heads=8, moe_intermediate_size=512,
                  shared_expert_intermediate_size=512, num_experts=64, num_experts_per_tok=8, vocab_size=8192),
+    # Gemma 3 270M's shapes: its 262k-row embedding is most of the checkpoint
+    "gemma3": dict(hidden_size=640, intermediate_size=2048, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                   vocab_size=262144),
     "gemma4": dict(hidden_size=1536, intermediate_size=6144, num_attention_heads=8, num_key_value_heads=4, head_dim=128,
                    global_head_dim=256, num_global_key_value_heads=2, vocab_size=8192),
 }

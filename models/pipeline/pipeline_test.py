@@ -11,6 +11,7 @@ import torch
 
 from llmq.checkpoint import load_bundle
 from llmq.quant import GroupQuantizedWeight
+from models.gemma3.spec import ARCHITECTURE as GEMMA3
 from models.gemma4.spec import ARCHITECTURE as GEMMA4
 from models.pipeline.default_model import write_default_checkpoint
 from models.pipeline.quantize_and_save import UsageError, run
@@ -155,3 +156,34 @@ def test_recipe_that_quantizes_nothing_warns(tmp_path, capsys):
     assert result["quantized"] == 0
     err = capsys.readouterr().err
     assert "no rule quantizes any of the model's 72 tensors" in err and str(empty) in err
+
+
+@pytest.mark.parametrize("arch,recipe", [(QWEN, "mixed"), (GEMMA4, "mixed"), (GEMMA3, "int4-e8")],
+                         ids=["qwen", "gemma4", "gemma3"])
+def test_row_blocks_write_the_bytes_of_whole_tensors(arch, recipe, tmp_path, monkeypatch):
+    """The bundle backend takes large tensors as row blocks (ROW_BLOCK_BYTES); with blocks of
+    1 KiB (so every matrix, per-expert ones too, arrives in blocks) the bundle's tensor files
+    are byte for byte those of whole tensors, and verification passes."""
+    from models.pipeline import run as run_module
+    from models.pipeline import sources
+    from llmq.quant.chunked import RowBlocks
+
+    checkpoint = write_default_checkpoint(arch, str(tmp_path / "ckpt"), seed=5)
+    monkeypatch.setattr(run_module, "ROW_BLOCK_BYTES", 1 << 40)  # never: every tensor whole
+    whole = _run(arch, tmp_path, recipe, out="whole", checkpoint=checkpoint)
+    seen = []
+    real = sources.iter_checkpoint
+
+    def spy(*args, **kwargs):
+        for name, value in real(*args, **kwargs):
+            seen.append(isinstance(value, RowBlocks))
+            yield name, value
+
+    monkeypatch.setattr(sources, "iter_checkpoint", spy)
+    monkeypatch.setattr(run_module, "ROW_BLOCK_BYTES", 1024)
+    blocks = _run(arch, tmp_path, recipe, out="blocks", checkpoint=checkpoint)
+    assert sum(seen) >= 10  # the write pass's large tensors came as row blocks
+    assert _digest(blocks["bundle"]) == _digest(whole["bundle"])
+    assert (blocks["tensors"], blocks["quantized"], blocks["bytes_in"], blocks["bytes_out"]) == \
+        (whole["tensors"], whole["quantized"], whole["bytes_in"], whole["bytes_out"])
+    assert blocks["cosine"] == whole["cosine"] and blocks["verification_failure"] is None

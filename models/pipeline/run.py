@@ -28,6 +28,7 @@ import torch
 from llmq.backend import BackendError, WriteJob, get_backend
 from llmq.checkpoint import checkpoint_shapes
 from llmq.quant import QuantRecipe, dequantize, is_quantized, load_recipe, quantize_stream
+from llmq.quant.chunked import QuantizedRowBlocks
 from llmq.quant.formats import get_format, nbytes_of
 from llmq.quant.report import ErrorReport
 from models.pipeline import sources, verify as verification
@@ -39,6 +40,7 @@ from models.pipeline.usage_error import UsageError
 from models.pipeline.agreement import format_table
 
 VERIFY_LIMIT_BYTES = 4 << 30
+ROW_BLOCK_BYTES = 16 << 20  # tensors over this travel as blocks of rows of at most this size
 
 
 class _Tally:
@@ -55,7 +57,7 @@ class _Tally:
     def after(self, items):
         for name, value in items:
             self.tensors += 1
-            self.quantized += is_quantized(value)
+            self.quantized += is_quantized(value) or isinstance(value, QuantizedRowBlocks)
             self.bytes_out += nbytes_of(value)
             yield name, value
 
@@ -120,8 +122,8 @@ def run(arch: Architecture, *, checkpoint: Optional[str], recipe: Optional[str],
         names = names if names is not None else expected.required()
         _check_recipe(quant_recipe, recipe_name, arch, config, expected)
 
-        def model_stream(notes=None):
-            stream = checked_stream(source.stream(notes), expected, checkpoint)
+        def model_stream(notes=None, chunk_bytes=None):
+            stream = checked_stream(source.stream(notes, chunk_bytes), expected, checkpoint)
             # requantize_gguf: the GGUF's quantized tensors, dequantized exactly, go to the recipe like float ones
             return _as_float(stream) if requantize_gguf and source.from_gguf else stream
 
@@ -156,7 +158,10 @@ def run(arch: Architecture, *, checkpoint: Optional[str], recipe: Optional[str],
         tally = _Tally()
         start = time.perf_counter()
         gguf_notes = []
-        stream = tally.before(model_stream(gguf_notes))
+        # Large tensors travel as row blocks where the writer takes them and nothing needs them
+        # whole (the error report and calibration do): peak memory stays a block, not a tensor.
+        row_blocks = getattr(writer, "streams_row_blocks", False) and report is None and calibration is None
+        stream = tally.before(model_stream(gguf_notes, ROW_BLOCK_BYTES if row_blocks else None))
         if writer.takes_float:  # the backend quantizes: it gets float tensors (a GGUF's quantized ones dequantized)
             stream = _as_float(stream)
         else:

@@ -44,16 +44,20 @@ class Source:
     def from_gguf(self) -> bool:
         return self.kind == "gguf"
 
-    def stream(self, notes: Optional[List[str]] = None) -> Iterator[Tuple[str, Any]]:
-        """The checkpoint as model-layout tensors (GGUF: `notes` collects what the import did)."""
+    def stream(self, notes: Optional[List[str]] = None, chunk_bytes: Optional[int] = None) -> Iterator[Tuple[str, Any]]:
+        """The checkpoint as model-layout tensors (GGUF: `notes` collects what the import did).
+        chunk_bytes: an HF folder's tensors over this many bytes arrive as row blocks
+        (``iter_checkpoint(chunk_bytes=)``); a GGUF's always arrive whole."""
         if self.from_gguf:
             return gguf_input.model_tensors(self.arch, self.path, self.config, notes=notes)
-        return model_tensors(self.arch, self.path, self.config)
+        return model_tensors(self.arch, self.path, self.config, chunk_bytes=chunk_bytes)
 
 
-def model_tensors(arch: Architecture, folder: str, config) -> Iterator[Tuple[str, torch.Tensor]]:
-    """An HF folder as a stream of model-layout tensors (renamed, experts stacked per layer)."""
-    stream = iter_checkpoint(folder, key_map=arch.key_map)
+def model_tensors(arch: Architecture, folder: str, config, *,
+                  chunk_bytes: Optional[int] = None) -> Iterator[Tuple[str, Any]]:
+    """An HF folder as a stream of model-layout tensors (renamed, experts stacked per layer);
+    with chunk_bytes, tensors over that size as row blocks (llmq.quant.chunked.RowBlocks)."""
+    stream = iter_checkpoint(folder, key_map=arch.key_map, chunk_bytes=chunk_bytes)
     return merge_experts_stream(stream, arch, getattr(config, "num_experts", 0))
 
 

@@ -12,6 +12,7 @@ from typing import Dict, Iterable, Iterator, Tuple
 
 import torch
 
+from llmq.quant.chunked import RowBlocks
 from models.pipeline.arch import Architecture
 
 _LAYER = re.compile(r"^(.*?layers\.\d+\.)")
@@ -31,6 +32,8 @@ def merge_experts_stream(items: Iterable[Tuple[str, torch.Tensor]], arch: Archit
     pending: Dict[str, Dict[str, torch.Tensor]] = {}
     need = 3 * experts_per_layer  # gate, up, down per expert
     for name, tensor in items:
+        if isinstance(tensor, RowBlocks) and arch.is_per_expert(name):
+            tensor = tensor.whole()  # stacked with the layer's others: needed whole
         if not (isinstance(tensor, torch.Tensor) and arch.is_per_expert(name)):
             yield name, tensor
             continue

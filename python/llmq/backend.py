@@ -73,6 +73,9 @@ class Backend(Protocol):
     weights, quantized by job.recipe); True means it receives the unquantized model-layout
     stream and quantizes with job.recipe itself.
 
+    Optional attribute ``streams_row_blocks`` (default False): True where write() also takes
+    tensors carried as row blocks (llmq.quant.chunked: RowBlocks, QuantizedRowBlocks), which
+    the pipeline then sends for large tensors so its memory stays one block.
     Optional methods, looked up with getattr: ``check(job)`` refuses a job before any work
     (BackendError, one line); ``summary(path, job) -> rows`` extra summary rows;
     ``check_consumer(path, job, reference, quantized, prompt) -> (rows, dict)`` loads the folder
@@ -129,6 +132,7 @@ class BundleBackend:
     name = "bundle"
     description = "portable llmq bundle: canonical weights of every format, config and tokenizer files alongside"
     takes_float = False
+    streams_row_blocks = True  # save_bundle writes row blocks block by block
 
     @property
     def accepts_formats(self) -> Tuple[str, ...]:

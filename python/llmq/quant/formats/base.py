@@ -202,8 +202,9 @@ def is_quantized(value: Any) -> bool:
 
 
 def nbytes_of(value: Any) -> int:
-    """Bytes a tensor or a quantized weight of any format occupies."""
+    """Bytes a tensor or a quantized weight of any format occupies (also a tensor or weight
+    carried as row blocks, llmq.quant.chunked: its `nbytes`)."""
     fmt = format_of(value)
     if fmt is not None:
         return fmt.nbytes(value)
-    return value.numel() * value.element_size()
+    return value.nbytes
