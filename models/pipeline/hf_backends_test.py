@@ -163,3 +163,39 @@ def test_cli_writes_then_refuses_an_existing_out_and_lists_backends(tmp_path):
     assert helped.returncode == 0
     for name in ("bundle", "cuda", "mlx", "hf-modelopt", "hf-compressed-tensors"):
         assert f"\n  {name} " in helped.stdout, name
+
+
+@pytest.mark.parametrize("arch,backend,recipe", [
+    (QWEN, "hf-compressed-tensors", "fp-mixed"),
+    (GEMMA4, "hf-modelopt", "nvfp4"),
+    (GEMMA4, "hf-compressed-tensors", "fp8"),
+], ids=lambda v: getattr(v, "name", v))
+def test_row_blocks_write_the_files_of_whole_tensors(arch, backend, recipe, tmp_path, monkeypatch):
+    """The HF exports take large tensors as row blocks (run.ROW_BLOCK_BYTES); with 1 KiB blocks
+    every file of the folder is byte for byte that of whole tensors."""
+    from llmq.quant.chunked import RowBlocks
+    from models.pipeline import run as run_module
+    from models.pipeline import sources
+
+    recipe_arg = _fp_mixed(tmp_path) if recipe == "fp-mixed" else recipe
+    checkpoint = write_default_checkpoint(arch, str(tmp_path / "ckpt"), seed=4)
+    real, seen, folders = sources.iter_checkpoint, [], {}
+
+    def spy(*args, **kwargs):
+        for name, value in real(*args, **kwargs):
+            seen.append(isinstance(value, RowBlocks))
+            yield name, value
+
+    monkeypatch.setattr(sources, "iter_checkpoint", spy)
+    for label, block in (("whole", 1 << 40), ("blocks", 1024)):
+        monkeypatch.setattr(run_module, "ROW_BLOCK_BYTES", block)
+        folders[label] = _run(arch, tmp_path, backend, recipe_arg, checkpoint=checkpoint, out=label,
+                              verify=False)["bundle"]
+    assert sum(seen) >= 10  # the second run's large tensors came as row blocks
+
+    def files(folder):
+        return {n: open(os.path.join(folder, n), "rb").read() for n in sorted(os.listdir(folder))}
+
+    whole, blocks = files(folders["whole"]), files(folders["blocks"])
+    assert sorted(whole) == sorted(blocks) and any(n.endswith(".safetensors") for n in whole)
+    assert [n for n in whole if whole[n] != blocks[n]] == []

@@ -28,7 +28,7 @@ import torch
 from llmq.backend import BackendError, WriteJob, get_backend
 from llmq.checkpoint import checkpoint_shapes
 from llmq.quant import QuantRecipe, dequantize, is_quantized, load_recipe, quantize_stream
-from llmq.quant.chunked import QuantizedRowBlocks
+from llmq.quant.chunked import QuantizedRowBlocks, RowBlocks
 from llmq.quant.formats import get_format, nbytes_of
 from llmq.quant.report import ErrorReport
 from models.pipeline import sources, verify as verification
@@ -263,7 +263,7 @@ def _write_job(arch: Architecture, source, backend: str, out: str, recipe: Quant
 def _as_float(items):
     """Quantized values (a GGUF's exact imports) dequantized to the dtype they were quantized from."""
     for name, value in items:
-        yield name, value if isinstance(value, torch.Tensor) else dequantize(value)
+        yield name, value if isinstance(value, (torch.Tensor, RowBlocks)) else dequantize(value)
 
 
 def _folder_bytes(path: str) -> int:

@@ -81,6 +81,7 @@ def read_folder(path: str) -> Dict[str, torch.Tensor]:
 
 class HfExportBackend:
     takes_float = True
+    streams_row_blocks = True  # write_hf_quantized_checkpoint quantizes and writes row blocks block by block
 
     def __init__(self, style: str, name: str, description: str):
         self.style, self.name, self.description = style, name, description
