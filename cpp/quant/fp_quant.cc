@@ -178,6 +178,20 @@ FPQ_INLINE bool finite_amax(const Job& j, const float* x, int64_t n, uint32_t* m
   return false;
 }
 
+// bm[b] = amax_bits of block b (B elements) of x, for `blocks` blocks; false, with the job's
+// NaN/Inf flag set, where one is not finite.
+template <int B>
+FPQ_INLINE bool block_amax(const Job& j, const float* x, int64_t blocks, uint32_t* bm) {
+  uint32_t worst = 0;
+  for (int64_t bi = 0; bi < blocks; ++bi) {
+    bm[bi] = amax_bits(x + bi * B, B);
+    worst = bm[bi] > worst ? bm[bi] : worst;
+  }
+  if (worst < kInfBits) return true;
+  j.bad->store(1);
+  return false;
+}
+
 template <InputType T>
 FPQ_INLINE void run_impl(const Job& j, int64_t u0, int64_t u1) {
   const MatrixArgs& a = *j.a;
@@ -249,15 +263,7 @@ FPQ_INLINE void run_impl(const Job& j, int64_t u0, int64_t u1) {
       for (int64_t r = u0; r < u1; ++r) {
         const float* x = load_row<T>(a.w, r * k, k, fb);
         uint8_t* e8 = j.block_out + r * blocks;
-        uint32_t worst = 0;
-        for (int64_t bi = 0; bi < blocks; ++bi) {
-          bm[bi] = amax_bits(x + bi * 32, 32);
-          worst = bm[bi] > worst ? bm[bi] : worst;
-        }
-        if (worst >= kInfBits) {
-          j.bad->store(1);
-          return;
-        }
+        if (!block_amax<32>(j, x, blocks, bm.data())) return;
         for (int64_t bi = 0; bi < blocks; ++bi) {
           const int e = mx_exponent(float_of(bm[bi]), emax);
           e8[bi] = static_cast<uint8_t>(e + kE8M0Bias);
@@ -290,15 +296,7 @@ FPQ_INLINE void run_impl(const Job& j, int64_t u0, int64_t u1) {
         const float g = j.scale[r / j.rows_per_group];
         const float six_g = 6.0f * g;  // FP4_E2M1_MAX * gr
         uint8_t* bs = j.block_out + r * blocks;
-        uint32_t worst = 0;
-        for (int64_t bi = 0; bi < blocks; ++bi) {
-          bm[bi] = amax_bits(x + bi * 16, 16);
-          worst = bm[bi] > worst ? bm[bi] : worst;
-        }
-        if (worst >= kInfBits) {
-          j.bad->store(1);
-          return;
-        }
+        if (!block_amax<16>(j, x, blocks, bm.data())) return;
         for (int64_t bi = 0; bi < blocks; ++bi) {
           float s = float_of(bm[bi]) / six_g;
           s = s == 0.0f ? 1.0f : s;
