@@ -349,6 +349,26 @@ def print_table(table, io_rate, torchao_rate) -> None:
           "use the smallest size's. x torchao likewise. Read rows are best of 2 interleaved passes.)", flush=True)
 
 
+def print_paired(paired) -> None:
+    """Ratios taken round by round (each path's time against the I/O-only and torchao runs of the
+    same round), then the median and range over rounds: a slow spell of the machine falls on one
+    round's runs together and cancels out of its ratios."""
+    def cell(ref, secs):
+        if len(ref) != len(secs) or not ref:
+            return "-"
+        ratios = sorted(r / s for r, s in zip(ref, secs))
+        return f"{statistics.median(ratios):.2f} ({ratios[0]:.2f}-{ratios[-1]:.2f})"
+
+    if not paired:
+        return
+    print("\n| input | path | x I/O only, per round: median (range) | x torchao, per round: median (range) |")
+    print("|---|---|---|---|")
+    for gb, paths, io, ao in paired:
+        for label, secs in paths:
+            print(f"| {gb:.2f} GB | {label} | {cell(io, secs)} | {cell(ao, secs)} |")
+    print("(each round runs every path once, interleaved; a ratio above 1 means faster than the reference)", flush=True)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sizes", default="2,4", help="checkpoint sizes in GB (comma-separated)")
@@ -374,7 +394,7 @@ def main(argv=None) -> int:
     skip = set(filter(None, a.skip.split(",")))
     os.makedirs(a.workdir, exist_ok=True)
     rows = []
-    table, io_rate, torchao_rate = [], {}, {}
+    table, io_rate, torchao_rate, paired = [], {}, {}, []
     try:
         for size in [float(s) for s in a.sizes.split(",")]:
             ckpt = os.path.join(a.workdir, f"ckpt_{size:g}gb")
@@ -418,6 +438,9 @@ def main(argv=None) -> int:
                     runs[key].append(run_phase(*args))
                     if len(args) > 2:
                         shutil.rmtree(args[2], ignore_errors=True)
+            paired.append((gb, [(label, [r["seconds"] for r in runs[key]]) for key, _, label in timed],
+                           [r["seconds"] for r in runs.get(("stream", False, True), [])],
+                           [r["seconds"] for r in runs.get(("torchao",), [])]))
             for key, args, label in timed:
                 if key[0] == "torchao":
                     secs = sorted(r["seconds"] for r in runs[key])
@@ -462,6 +485,7 @@ def main(argv=None) -> int:
             table.append((gsize, ggb, "GGUF import -> canonical (Q4_0/Q8_0/Q4_K/Q6_K)", ggb / g["seconds"],
                           ggb / g["seconds"], g, info["bytes"]))
         print_table(table, io_rate, torchao_rate)
+        print_paired(paired)
     finally:
         if not a.keep:
             shutil.rmtree(a.workdir, ignore_errors=True)
