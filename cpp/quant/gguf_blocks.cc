@@ -117,6 +117,43 @@ inline void block_q8_0(const uint8_t* b, uint8_t* q, float* scale, float* bias) 
   for (int j = 0; j < 32; ++j) q[j] = b[2 + j] ^ 0x80;  // int8 + 128 == flip the sign bit
 }
 
+// Q2_K / Q3_K: 64 bytes of 2-bit fields (per half of 128 elements, bits 2s..2s+1 of byte j hold
+// element 128 h + 32 s + j), plus for Q3_K the high bit of element 32 i + j at bit i of mask byte j.
+template <int BITS>
+inline void two_bit_words(const uint8_t* qs, const uint8_t* hmask, uint8_t* q) {
+  uint64_t w[32];
+  for (int h = 0; h < 2; ++h)
+    for (int s = 0; s < 4; ++s)
+      for (int k = 0; k < 4; ++k) {
+        uint64_t v = (load64(qs + 32 * h + 8 * k) >> (2 * s)) & kM03;
+        if (BITS == 3) v |= ((load64(hmask + 8 * k) >> (4 * h + s)) & kM01) << 2;
+        w[16 * h + 4 * s + k] = v;
+      }
+  pack_words<BITS, 32>(w, q);
+}
+
+inline void block_q2_k(const uint8_t* b, uint8_t* q, float* scale, float* bias) {
+  const float d = half_at(b + 80), dmin = half_at(b + 82);
+  for (int g = 0; g < 16; ++g) {  // byte g: scale (low nibble) and min (high) of elements 16 g ..
+    scale[g] = d * static_cast<float>(b[g] & 0x0F);
+    bias[g] = -(dmin * static_cast<float>(b[g] >> 4));
+  }
+  two_bit_words<2>(b + 16, nullptr, q);
+}
+
+inline void block_q3_k(const uint8_t* b, uint8_t* q, float* scale, float* bias) {
+  const uint8_t* s = b + 96;  // scale 4 t + j: a nibble of byte j (+4 for t odd), top bits at 2 t of byte 8 + j
+  const float d = half_at(b + 108);
+  for (int t = 0; t < 4; ++t)
+    for (int j = 0; j < 4; ++j) {
+      const int nib = t < 2 ? s[j + 4 * t] & 0x0F : s[j + 4 * (t - 2)] >> 4;
+      const int sc = nib | (((s[8 + j] >> (2 * t)) & 3) << 4);
+      scale[4 * t + j] = d * static_cast<float>(sc - 32);
+      bias[4 * t + j] = -4.0f * scale[4 * t + j];
+    }
+  two_bit_words<3>(b + 32, b, q);
+}
+
 inline void block_qk45(const uint8_t* b, bool five, uint8_t* q, float* scale, float* bias) {
   const float d = half_at(b), dmin = half_at(b + 2);
   float sc[8], mn[8];
@@ -182,6 +219,8 @@ void decode_range(GgufBlockType type, const GgufBlockInfo& info, const uint8_t* 
     case GgufBlockType::kQ5_0: run([](const u8* b, u8* q, float* s, float* m) { block_q5_01(b, false, q, s, m); }); break;
     case GgufBlockType::kQ5_1: run([](const u8* b, u8* q, float* s, float* m) { block_q5_01(b, true, q, s, m); }); break;
     case GgufBlockType::kQ8_0: run([](const u8* b, u8* q, float* s, float* m) { block_q8_0(b, q, s, m); }); break;
+    case GgufBlockType::kQ2_K: run([](const u8* b, u8* q, float* s, float* m) { block_q2_k(b, q, s, m); }); break;
+    case GgufBlockType::kQ3_K: run([](const u8* b, u8* q, float* s, float* m) { block_q3_k(b, q, s, m); }); break;
     case GgufBlockType::kQ4_K: run([](const u8* b, u8* q, float* s, float* m) { block_qk45(b, false, q, s, m); }); break;
     case GgufBlockType::kQ5_K: run([](const u8* b, u8* q, float* s, float* m) { block_qk45(b, true, q, s, m); }); break;
     case GgufBlockType::kQ6_K: run([](const u8* b, u8* q, float* s, float* m) { block_q6_k(b, q, s, m); }); break;
@@ -193,7 +232,8 @@ void decode_range(GgufBlockType type, const GgufBlockInfo& info, const uint8_t* 
 bool parse_gguf_block_type(const std::string& name, GgufBlockType* out) {
   static const std::pair<const char*, GgufBlockType> kNames[] = {
       {"Q4_0", GgufBlockType::kQ4_0}, {"Q4_1", GgufBlockType::kQ4_1}, {"Q5_0", GgufBlockType::kQ5_0},
-      {"Q5_1", GgufBlockType::kQ5_1}, {"Q8_0", GgufBlockType::kQ8_0}, {"Q4_K", GgufBlockType::kQ4_K},
+      {"Q5_1", GgufBlockType::kQ5_1}, {"Q8_0", GgufBlockType::kQ8_0}, {"Q2_K", GgufBlockType::kQ2_K},
+      {"Q3_K", GgufBlockType::kQ3_K}, {"Q4_K", GgufBlockType::kQ4_K},
       {"Q5_K", GgufBlockType::kQ5_K}, {"Q6_K", GgufBlockType::kQ6_K}};
   for (const auto& [n, t] : kNames)
     if (name == n) {
@@ -210,6 +250,8 @@ GgufBlockInfo gguf_block_info(GgufBlockType type) {
     case GgufBlockType::kQ5_0: return {32, 22, 5, 32};
     case GgufBlockType::kQ5_1: return {32, 24, 5, 32};
     case GgufBlockType::kQ8_0: return {32, 34, 8, 32};
+    case GgufBlockType::kQ2_K: return {256, 84, 2, 16};
+    case GgufBlockType::kQ3_K: return {256, 110, 3, 16};
     case GgufBlockType::kQ4_K: return {256, 144, 4, 32};
     case GgufBlockType::kQ5_K: return {256, 176, 5, 32};
     case GgufBlockType::kQ6_K: return {256, 210, 6, 16};

@@ -16,7 +16,7 @@
 
 namespace llmq_quant {
 
-enum class GgufBlockType { kQ4_0, kQ4_1, kQ5_0, kQ5_1, kQ8_0, kQ4_K, kQ5_K, kQ6_K };
+enum class GgufBlockType { kQ4_0, kQ4_1, kQ5_0, kQ5_1, kQ8_0, kQ2_K, kQ3_K, kQ4_K, kQ5_K, kQ6_K };
 
 struct GgufBlockInfo {
   int block;        // elements per block
@@ -25,7 +25,7 @@ struct GgufBlockInfo {
   int group;        // canonical group size (elements per scale/bias)
 };
 
-// False (and *out untouched) for a name that is not one of the types above ("Q4_0", ..., "Q6_K").
+// False (and *out untouched) for a name that is not one of the types above ("Q4_0", ..., "Q2_K", ..., "Q6_K").
 bool parse_gguf_block_type(const std::string& name, GgufBlockType* out);
 GgufBlockInfo gguf_block_info(GgufBlockType type);
 

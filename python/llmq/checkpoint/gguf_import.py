@@ -15,6 +15,8 @@ Q4_1       4      32     d                                 m
 Q5_0       5      32     d                                 -16 d
 Q5_1       5      32     d                                 m
 Q8_0       8      32     d                                 -128 d   (q = int8 + 128)
+Q2_K       2      16     d * sc[j]   (4-bit sub-scale)     -dmin * m[j]   (4-bit)
+Q3_K       3      16     d * (sc[j] - 32)  (6-bit)         -4 d (sc[j] - 32)   (q = low 2 bits + 4 * mask bit)
 Q4_K       4      32     d * sc[j]   (6-bit sub-scale)     -dmin * m[j]
 Q5_K       5      32     d * sc[j]                         -dmin * m[j]
 Q6_K       6      16     d * sc[j]   (int8 sub-scale)      -32 d sc[j]

@@ -22,9 +22,11 @@ from llmq.quant.formats import GroupQuantizedWeight, dequantize_canonical  # noq
 T = gguf.GGMLQuantizationType
 # byte offsets of the float16 fields inside one block (all others are free bits)
 HALF_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
-               "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
-EXPECTED_GROUP = {"Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q8_0": 32, "Q4_K": 32, "Q5_K": 32, "Q6_K": 16}
-EXPECTED_BITS = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q8_0": 8, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6}
+               "Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+EXPECTED_GROUP = {"Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q8_0": 32, "Q2_K": 16, "Q3_K": 16, "Q4_K": 32,
+                  "Q5_K": 32, "Q6_K": 16}
+EXPECTED_BITS = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q8_0": 8, "Q2_K": 2, "Q3_K": 3, "Q4_K": 4, "Q5_K": 5,
+                 "Q6_K": 6}
 
 
 def random_blocks(type_name: str, shape, rng: np.random.Generator) -> np.ndarray:
@@ -56,7 +58,7 @@ def gguf_file(tmp_path_factory):
     w.add_uint32("llama.block_count", 2)
     w.add_string("general.name", "tiny")
     raws = {}
-    for type_name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"):
+    for type_name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"):
         raw = random_blocks(type_name, (8, 512), rng)
         raws[f"{type_name}.weight"] = (type_name, raw, (8, 512))
         w.add_tensor(f"{type_name}.weight", raw, raw_dtype=T[type_name])
@@ -80,7 +82,7 @@ def gguf_file(tmp_path_factory):
     return path, raws, {"f32.weight": f32, "norm.weight": f16, "bf16.weight": bf16}
 
 
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
 def test_block_types_match_gguf_dequantizer_bit_for_bit(gguf_file, type_name):
     path, raws, _ = gguf_file
     name = f"{type_name}.weight"
@@ -128,20 +130,20 @@ def test_metadata_and_dtype_option(gguf_file):
 
 
 def test_unsupported_type_is_refused_by_name(tmp_path):
-    path = tmp_path / "q2k.gguf"
+    path = tmp_path / "iq2.gguf"
     w = gguf.GGUFWriter(str(path), "llama")
-    w.add_tensor("blk.0.attn_q.weight", np.zeros((2, 84), dtype=np.uint8), raw_dtype=T.Q2_K)
+    w.add_tensor("blk.0.attn_q.weight", np.zeros((2, 66), dtype=np.uint8), raw_dtype=T.IQ2_XXS)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(UnsupportedCheckpointError, match=r"blk\.0\.attn_q\.weight.*Q2_K"):
+    with pytest.raises(UnsupportedCheckpointError, match=r"blk\.0\.attn_q\.weight.*IQ2_XXS"):
         list(iter_checkpoint(path))
 
 
 def test_supported_list_is_what_the_issue_names():
     assert set(SUPPORTED_TYPES) >= {"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
-                                    "Q4_K", "Q5_K", "Q6_K"}
+                                    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}
 
 
 def test_reads_in_file_order_without_dequantizing(gguf_file, monkeypatch):

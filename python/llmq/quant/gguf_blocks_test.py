@@ -19,10 +19,10 @@ from llmq.quant.formats import dequantize_canonical
 from llmq.quant.formats.gguf_blocks import BLOCK_TYPES, decode, decode_into
 
 T = gguf.GGMLQuantizationType
-TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
 # byte offsets of the float16 fields inside one block (all other bytes are free bits)
 HALF_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
-               "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+               "Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
 GGUF_PY_QUANTIZES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
 
 

@@ -1,7 +1,7 @@
 """Format family "gguf": the GGUF (llama.cpp) block types llmq imports, rearranged exactly into "int".
 
 Import only: a block type is never a recipe's target. Each registered name is a GGML type name
-(Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K); the tensor a GGUF file stores for one weight
+(Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K); the tensor a GGUF file stores for one weight
 is its raw blocks (``layout``), and ``rebuild`` / ``decode`` turn them -- never dequantized and
 requantized -- into a GroupQuantizedWeight (unsigned q, LSB-first, float32 scale, additive bias). The numpy
 code here is the reference; the compiled decoder (cpp/quant/gguf_blocks.h, through
@@ -27,6 +27,8 @@ BLOCK_TYPES = {
     "Q5_0": (32, 22, 5, 32),
     "Q5_1": (32, 24, 5, 32),
     "Q8_0": (32, 34, 8, 32),
+    "Q2_K": (256, 84, 2, 16),
+    "Q3_K": (256, 110, 3, 16),
     "Q4_K": (256, 144, 4, 32),
     "Q5_K": (256, 176, 5, 32),
     "Q6_K": (256, 210, 6, 16),
@@ -133,6 +135,25 @@ def _k_scale_min(s: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
     return sc.astype(np.float32), mn.astype(np.float32)
 
 
+def _two_bit_fields(qs: np.ndarray) -> np.ndarray:
+    """Q2_K/Q3_K's 64 bytes of 2-bit fields -> one element per byte, as uint64 words [nb, 32].
+
+    Per half of 128 elements (32 bytes), bits 2s..2s+1 of byte j hold element 128 h + 32 s + j."""
+    w = _u64(qs).reshape(qs.shape[0], 2, 4)
+    return np.stack([(w >> np.uint64(2 * s)) & _M03 for s in range(4)], axis=2).reshape(qs.shape[0], 32)
+
+
+def _q3_k_scales(s: np.ndarray) -> np.ndarray:
+    """Q3_K's 12-byte field -> sixteen 6-bit scales per block (unsigned, before the -32).
+
+    Low nibbles: bytes 0-7 hold scales 0-7 (low nibble) and 8-15 (high nibble); bytes 8-11
+    hold the top two bits, at shift 2t of byte b for scale 4t + b."""
+    lo, hi = s[:, 0:8], s[:, 8:12]
+    top = [(hi >> (2 * t)) & 3 for t in range(4)]
+    return np.concatenate([(lo[:, 0:4] & 0x0F) | (top[0] << 4), (lo[:, 4:8] & 0x0F) | (top[1] << 4),
+                           (lo[:, 0:4] >> 4) | (top[2] << 4), (lo[:, 4:8] >> 4) | (top[3] << 4)], axis=1)
+
+
 def _decode_blocks(type_name: str, blocks: np.ndarray) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
     """uint8 [nb, bytes_per_block] -> (q, scale float32 [nb, groups], bias float32 [nb, groups]).
 
@@ -156,6 +177,17 @@ def _decode_blocks(type_name: str, blocks: np.ndarray) -> Tuple[np.ndarray, np.n
         d = _half(blocks[:, 0:2])
         q = _u64(blocks[:, 2:34]) ^ np.uint64(0x8080808080808080)  # int8 + 128 == flip the sign bit
         return q, d[:, None], (np.float32(-128.0) * d)[:, None]
+    if type_name == "Q2_K":  # scales (low nibble) and mins (high) per 16, 2-bit fields, d, dmin
+        sc = blocks[:, 0:16]
+        d, dmin = _half(blocks[:, 80:82]), _half(blocks[:, 82:84])
+        scale = d[:, None] * (sc & 0x0F).astype(np.float32)
+        return _two_bit_fields(blocks[:, 16:80]), scale, -(dmin[:, None] * (sc >> 4).astype(np.float32))
+    if type_name == "Q3_K":  # high-bit mask, 2-bit fields, 6-bit scales, d; value d * (sc - 32) * (q - 4)
+        hm = _u64(blocks[:, 0:32])  # bit i of byte j: the high bit of element 32 i + j
+        high = np.stack([(hm >> np.uint64(i)) & _M01 for i in range(8)], axis=1).reshape(blocks.shape[0], 32)
+        d = _half(blocks[:, 108:110])
+        scale = d[:, None] * (_q3_k_scales(blocks[:, 96:108]).astype(np.float32) - np.float32(32.0))
+        return _two_bit_fields(blocks[:, 32:96]) | (high << np.uint64(2)), scale, np.float32(-4.0) * scale
     if type_name in ("Q4_K", "Q5_K"):
         d, dmin = _half(blocks[:, 0:2]), _half(blocks[:, 2:4])
         sc, mn = _k_scale_min(blocks[:, 4:16])
