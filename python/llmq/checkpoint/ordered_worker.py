@@ -57,15 +57,6 @@ class OrderedWorker:
         if self.error is not None:
             raise self.error
 
-    def wait(self) -> None:
-        """Block until every job submitted so far has run (or been dropped), then re-raise the
-        first error; the thread keeps running for later jobs."""
-        with self._cv:
-            ticket = self._submitted
-            while self._finished < ticket:
-                self._cv.wait()
-        self.check()
-
     def join(self) -> None:
         """Run every queued job, stop the thread, and re-raise its first error."""
         with self._cv:
