@@ -84,7 +84,9 @@ VERIFY_AUTO_LIMIT = 4 * 1024 ** 3  # verify=None checks checksums up to this man
 SHARD_METADATA = {"format": "pt"}  # transformers refuses safetensors files without it
 _COPY_CHUNK = 16 * 1024 * 1024
 _HASH_WINDOW = 16 * 1024 * 1024  # a multiple of the page size
-DEFAULT_WRITE_QUEUE_BYTES = 64 * 1024 * 1024  # tensor bytes queued for the writer thread, at most
+# Tensor bytes queued for the writer thread, at most: two 16 MiB row blocks. 64 MiB was measured
+# no faster (1 GB INT4 stream, tmpfs and disk, 2026-12-03) and held 34 MB more at peak.
+DEFAULT_WRITE_QUEUE_BYTES = 32 * 1024 * 1024
 # With fsync on, a shard's dirty pages are flushed (fdatasync on the fsync thread) every this
 # many bytes, so the disk writes while the next tensors are read and quantized instead of
 # all at the end (the kernel alone would start only at dirty_background_ratio, GBs later).
