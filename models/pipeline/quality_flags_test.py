@@ -126,3 +126,30 @@ def test_calibration_weights_search_rules_and_leaves_minmax_alone(tmp_path):
     assert changed  # the importance reached the search rules
     rtn, rtn_cal = quantized(bundles["minmax", False]), quantized(bundles["minmax", True])
     assert all(rtn[n].qdata.equal(rtn_cal[n].qdata) and rtn[n].scale.equal(rtn_cal[n].scale) for n in rtn)
+
+
+def test_calibration_and_report_take_row_blocks_whole(tmp_path, monkeypatch):
+    """With row blocks on (1 KiB, so every matrix arrives in blocks), a run with calibration and
+    the error report writes the bytes and the report of whole tensors: quantize_stream reads
+    a tensor whole where importance or the report needs it."""
+    import hashlib
+
+    from models.pipeline import run as run_module
+
+    text = tmp_path / "calibration.txt"
+    text.write_text(TEXT)
+    results = {}
+    for label, block in (("whole", 1 << 40), ("blocks", 1024)):
+        monkeypatch.setattr(run_module, "ROW_BLOCK_BYTES", block)
+        results[label] = _run(tmp_path, label, calibration_text=str(text), calibration_tokens=256)
+
+    def digest(folder):
+        h = hashlib.sha256()
+        for name in sorted(os.listdir(folder)):
+            if name.endswith(".safetensors"):
+                h.update(name.encode() + open(os.path.join(folder, name), "rb").read())
+        return h.hexdigest()
+
+    assert digest(results["blocks"]["bundle"]) == digest(results["whole"]["bundle"])
+    assert results["blocks"]["error_report"].rows == results["whole"]["error_report"].rows
+    assert results["blocks"]["quantized"] == results["whole"]["quantized"] > 0

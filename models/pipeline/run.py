@@ -158,9 +158,9 @@ def run(arch: Architecture, *, checkpoint: Optional[str], recipe: Optional[str],
         tally = _Tally()
         start = time.perf_counter()
         gguf_notes = []
-        # Large tensors travel as row blocks where the writer takes them and nothing needs them
-        # whole (the error report and calibration do): peak memory stays a block, not a tensor.
-        row_blocks = getattr(writer, "streams_row_blocks", False) and report is None and calibration is None
+        # Large tensors travel as row blocks where the writer takes them: peak memory stays a block,
+        # not a tensor (quantize_stream reads one whole where importance or the report needs it).
+        row_blocks = getattr(writer, "streams_row_blocks", False)
         stream = tally.before(model_stream(gguf_notes, ROW_BLOCK_BYTES if row_blocks else None))
         if writer.takes_float:  # the backend quantizes: it gets float tensors (a GGUF's quantized ones dequantized)
             stream = _as_float(stream)

@@ -217,8 +217,8 @@ class StreamingShardFile(ShardLayout):
         return True
 
     def add(self, name: str, t: torch.Tensor) -> None:
-        """Write t's bytes now (the caller may drop t afterwards). A dense `RowBlocks` is written
-        block by block as it is read."""
+        """Place t and queue its bytes for the writer thread (the caller may drop t, not modify it).
+        A dense `RowBlocks` is queued block by block as it is read."""
         if name in self.sizes:
             raise ValueError(f"tensor {name!r} written twice")
         placed = _as_placed(t)

@@ -42,7 +42,7 @@ from llmq.export.spec import (
 from llmq.checkpoint.shard_file import placeholder
 from llmq.export.tensors import export_quantized_weight_tensors
 from llmq.quant import fp
-from llmq.quant.chunked import RowBlocks, abs_max
+from llmq.quant.chunked import RowBlocks
 
 _SIBLINGS = {
     "q_proj": ("qkv", ("q_proj", "k_proj", "v_proj")),
@@ -109,12 +109,7 @@ class _Exporter:
 
     def state_for(self, weight: torch.Tensor, spec: WeightExportSpec) -> ExportState:
         if isinstance(weight, RowBlocks):  # the amax over the blocks (exact: a max of maxima)
-            amax = None
-            if needs_tensor_amax(spec):
-                for _, block in weight.blocks():
-                    m = abs_max(block)
-                    amax = m if amax is None else torch.maximum(amax, m)
-                    del block
+            amax = weight.abs_max() if needs_tensor_amax(spec) else None
             probe = torch.zeros((1, weight.shape[-1]), dtype=weight.dtype)
             return dataclasses.replace(compute_export_state(probe, spec, self.input_amax.get(spec.module)),
                                        weight_amax=amax)

@@ -86,6 +86,16 @@ class RowBlocks:
         for r0, r1 in self.bounds(multiple):
             yield r0, self._read(r0, r1, check)
 
+    def abs_max(self) -> torch.Tensor:
+        """float32 max |w| over the whole tensor (0-dim), one block at a time: exact, a max of the
+        blocks' maxima. Blocks are checked as `blocks()` checks them."""
+        amax = None
+        for _, block in self.blocks():
+            m = _block_abs_max(block)
+            amax = m if amax is None else torch.maximum(amax, m)
+            del block
+        return amax
+
     def whole(self) -> torch.Tensor:
         """All rows in one tensor (validated as the reader validates a whole tensor)."""
         out = torch.empty(self.shape, dtype=self.dtype)
@@ -115,7 +125,7 @@ class TensorRowBlocks(RowBlocks):
         return self.tensor
 
 
-def abs_max(block: torch.Tensor) -> torch.Tensor:
+def _block_abs_max(block: torch.Tensor) -> torch.Tensor:
     """float32 max |block| (0-dim), exact."""
     from llmq.quant import _native_fp
 
@@ -157,12 +167,7 @@ class QuantizedRowBlocks:
 
     def row_parts(self) -> Iterator[Tuple[int, int, Parts]]:
         multiple = self.plan.row_multiple
-        amax = None
-        if self.plan.needs_amax:
-            for _, block in self.source.blocks(multiple):
-                m = abs_max(block)
-                amax = m if amax is None else torch.maximum(amax, m)
-                del block
+        amax = self.source.abs_max() if self.plan.needs_amax else None
         for r0, block in self.source.blocks(multiple, check=amax is None):
             try:
                 q = self.plan.quantize(block, amax)
