@@ -98,7 +98,7 @@ def test_key_map_renames_and_drops_without_reading(tmp_path, monkeypatch):
     reads = []
     from llmq.checkpoint.safetensors_io import SafetensorsFile
     orig = SafetensorsFile.read
-    monkeypatch.setattr(SafetensorsFile, "read", lambda self, n: reads.append(n) or orig(self, n))
+    monkeypatch.setattr(SafetensorsFile, "read", lambda self, n, **kw: reads.append(n) or orig(self, n, **kw))
 
     def key_map(n):
         if n.endswith("inv_freq"):
@@ -512,7 +512,7 @@ def test_a_large_pair_is_not_read_ahead(tmp_path, monkeypatch):
     events = []
     real_read = safetensors_io.SafetensorsFile.read
     monkeypatch.setattr(safetensors_io.SafetensorsFile, "read",
-                        lambda self, name: events.append(f"read {name}") or real_read(self, name))
+                        lambda self, name, **kw: events.append(f"read {name}") or real_read(self, name, **kw))
     for name, _ in iter_checkpoint(tmp_path / "m.safetensors", read_ahead=1, read_ahead_bytes=80 << 10):
         time.sleep(0.05)  # time for the read-ahead thread to run ahead where it may
         events.append(f"got {name}")
@@ -634,3 +634,57 @@ def test_a_folder_merely_named_like_a_snapshot_gets_no_wider_root(tmp_path):
     index.write_text(json.dumps(data))
     with pytest.raises(CorruptCheckpointError, match="outside the checkpoint folder"):
         list(iter_checkpoint(folder))
+
+
+# ---- read buffers reused once unreferenced ------------------------------------------------------
+
+MIB = 1 << 20
+
+
+def test_a_read_buffer_is_reused_only_when_nothing_references_it():
+    from llmq.checkpoint.safetensors_io import ReadBuffers
+
+    bufs = ReadBuffers(max_bytes=16 * MIB)
+    a = bufs.take(4 * MIB)
+    b = bufs.take(4 * MIB)
+    assert a.data_ptr() != b.data_ptr()  # a is still held
+    ptr = a.data_ptr()
+    view = a.view(torch.int16)[100:]
+    array = b.numpy()
+    del a, b
+    c = bufs.take(4 * MIB)  # a's view and b's array keep both alive: a third buffer
+    assert c.data_ptr() != ptr and len(c) == 4 * MIB
+    del view
+    assert bufs.take(4 * MIB).data_ptr() == ptr  # a's buffer is free again
+    del array, c
+    # Full (12 of 16 MiB kept): a read that needs more room forgets a free one first.
+    big = bufs.take(8 * MIB)
+    assert len(big) == 8 * MIB
+    small = bufs.take(1024)  # under 4 MiB: never from the pool
+    assert len(small) == 1024
+
+
+def test_blocks_and_tensors_held_by_the_caller_keep_their_bytes(tmp_path):
+    """The reader reuses a buffer only after the caller drops every reference to it: holding
+    every block and tensor gives the file's bytes, and dropping them lets the reader reuse."""
+    g = torch.Generator().manual_seed(3)
+    expect = {f"model.layers.{i}.mlp.{p}.weight": torch.randn(rows, 1024, generator=g).to(torch.bfloat16)
+              for i in range(3) for p, rows in (("gate_proj", 4096), ("down_proj", 2048))}
+    path = str(tmp_path / "model.safetensors")
+    save_file(expect, path)
+    held = []
+    for name, value in iter_checkpoint(path, chunk_bytes=4 * MIB):
+        if hasattr(value, "blocks"):
+            held.append((name, [(r0, blk) for r0, blk in value.blocks()]))
+        else:
+            held.append((name, [(0, value)]))
+    for name, blocks in held:
+        assert torch.equal(torch.cat([blk for _, blk in blocks]), expect[name]), name
+    del held
+    pointers, n = set(), 0
+    for name, value in iter_checkpoint(path, chunk_bytes=4 * MIB):
+        for r0, blk in (value.blocks() if hasattr(value, "blocks") else [(0, value)]):
+            assert torch.equal(blk, expect[name][r0:r0 + blk.shape[0]]), name
+            pointers.add(blk.data_ptr())
+            n += 1
+    assert n == 9 and len(pointers) <= 3  # 9 reads of 4 MiB (2 blocks, 1 whole tensor a layer), <= 3 buffers

@@ -30,7 +30,7 @@ from llmq.checkpoint.errors import (
     UnsupportedCheckpointError,
 )
 from llmq.checkpoint.gguf_import import GGUFFile
-from llmq.checkpoint.safetensors_io import SafetensorsFile, has_lone_surrogate
+from llmq.checkpoint.safetensors_io import ReadBuffers, SafetensorsFile, has_lone_surrogate
 from llmq.quant.formats import GroupQuantizedWeight
 
 Value = Union[torch.Tensor, GroupQuantizedWeight]
@@ -75,13 +75,14 @@ class Source:
 class SafetensorsSource(Source):
     def __init__(self, path: str, files: List[SafetensorsFile], owner: Dict[str, SafetensorsFile]):
         self.path, self._files, self._owner = path, files, owner
+        self._buffers = ReadBuffers()  # one set for all shards: they are read one after another
 
     def names(self) -> List[str]:
         # Shard by shard, each in data order: one sequential pass over the disk.
         return list(self._owner)
 
     def read(self, name: str, *, dtype=None) -> torch.Tensor:
-        return self._owner[name].read(name)
+        return self._owner[name].read(name, buffers=self._buffers)
 
     def shape(self, name: str) -> Tuple[int, ...]:
         return tuple(self._owner[name].entries[name].shape)
@@ -94,9 +95,10 @@ class SafetensorsSource(Source):
         entry = f.entries[name]
         if not entry.shape or not entry.shape[0]:
             return None
-        return entry.dtype, lambda r0, r1: f.read_rows(name, r0, r1)
+        return entry.dtype, lambda r0, r1: f.read_rows(name, r0, r1, buffers=self._buffers)
 
     def close(self) -> None:
+        self._buffers.clear()
         for f in self._files:
             f.close()
 
