@@ -237,5 +237,66 @@ def test_hf_export_writes_row_blocks_one_block_at_a_time(tmp_path, monkeypatch):
         write_hf_quantized_checkpoint(str(tmp_path / fmt["format"]), stream, lambda m: fmt if "down_proj" in m else None)
 
 
+
+def _sibling_checkpoint(folder, names):
+    g = torch.Generator().manual_seed(11)
+    tensors = {n: (torch.randn(384, 256, generator=g) * (0.02 + 0.01 * i)).to(torch.bfloat16)
+               for i, n in enumerate(names)}
+    path = os.path.join(folder, "model.safetensors")
+    save_file(tensors, path)
+    return path
+
+
+def test_siblings_sharing_an_amax_are_not_read_whole(tmp_path, monkeypatch):
+    """gate/up (and q/k/v) share NVFP4's global scale: as row blocks they are read twice (amax,
+    then quantize) when their group completes, never whole; bytes as the whole-tensor path."""
+    from llmq.export import write_hf_quantized_checkpoint
+
+    names = [f"model.layers.0.mlp.{p}_proj.weight" for p in ("down", "gate", "up")]
+    names += [f"model.layers.0.self_attn.{p}_proj.weight" for p in ("k", "o", "q", "v")]
+    src = _sibling_checkpoint(str(tmp_path), names)
+    fmt = {"format": "nvfp4"}
+    outs = []
+    for chunk_bytes in (None, CHUNK):
+        out = str(tmp_path / f"hf{chunk_bytes}")
+        with monkeypatch.context() as m:
+            if chunk_bytes:
+                m.setattr(RowBlocks, "whole", lambda self: pytest.fail(f"whole() called for {self!r}"))
+                m.setattr(type(next(v for _, v in iter_checkpoint(src, chunk_bytes=CHUNK))), "whole",
+                          lambda self: pytest.fail(f"whole() called for {self!r}"))
+            write_hf_quantized_checkpoint(out, iter_checkpoint(src, chunk_bytes=chunk_bytes), lambda module: fmt)
+        outs.append(_files(out))
+    assert outs[1] == outs[0]
+
+
+@pytest.mark.parametrize("last", ["model.layers.0.mlp.up_proj.weight", "model.layers.1.self_attn.v_proj.weight"])
+def test_an_incomplete_sibling_group_of_row_blocks_exports_after_the_stream_ends(tmp_path, last):
+    """A sibling whose group never completes is flushed after the last tensor, when the reader's
+    iterator has ended: its row blocks are still readable (the files close when they are freed)."""
+    from llmq.export import write_hf_quantized_checkpoint
+
+    src = _sibling_checkpoint(str(tmp_path), ["model.embed_tokens.weight", "model.layers.0.mlp.down_proj.weight", last])
+    fmt = {"format": "nvfp4"}
+    outs = []
+    for chunk_bytes in (None, CHUNK):
+        out = str(tmp_path / f"hf{chunk_bytes}")
+        write_hf_quantized_checkpoint(out, iter_checkpoint(src, chunk_bytes=chunk_bytes),
+                                      lambda module: fmt if module.endswith("_proj") else None)
+        outs.append(_files(out))
+    assert outs[1] == outs[0]
+
+
+def test_row_blocks_read_after_the_iterator_ended_then_files_close(tmp_path):
+    src = _checkpoint(str(tmp_path))
+    whole = dict(iter_checkpoint(src))
+    before = len(os.listdir("/proc/self/fd"))
+    held = {n: v for n, v in iter_checkpoint(src, chunk_bytes=CHUNK) if isinstance(v, RowBlocks)}
+    assert held and len(os.listdir("/proc/self/fd")) > before  # still open: row blocks are held
+    for name, rows in held.items():
+        assert torch.equal(rows.whole(), whole[name])
+    del rows, held
+    assert len(os.listdir("/proc/self/fd")) == before
+
+
 if __name__ == "__main__":
     raise SystemExit(pytest.main([__file__, "-q"]))

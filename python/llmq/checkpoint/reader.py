@@ -12,6 +12,7 @@ import dataclasses
 import os
 import threading
 import warnings
+import weakref
 from collections import deque
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple, Union
 
@@ -114,7 +115,8 @@ class _CheckpointRows(RowBlocks):
     tensor would be, so the bytes are the whole tensor's. The NaN/Inf error names the whole
     tensor's counts: at the first block holding one, the rest is counted before raising, and
     nothing of that block is yielded; under "warn" the warning comes after the last block.
-    Readable until the iterator that yielded it is closed."""
+    Readable while referenced: when the iterator that yielded it ends, its files stay open
+    until the last such object is freed (a writer may hold one to the end of the stream)."""
 
     def __init__(self, source: Source, name: str, out: str, stored_dtype: torch.dtype,
                  read_rows: Callable[[int, int], torch.Tensor], dtype: Optional[torch.dtype], nonfinite: str,
@@ -352,10 +354,14 @@ def iter_checkpoint(path: os.PathLike, *, key_map: KeyMap = None, convert: Conve
             return None
         return plan.source.row_reader(name)
 
+    live_rows = weakref.WeakSet()  # the _CheckpointRows yielded and still referenced
+
     def read(name: str, out: str) -> Tuple[Value, List[Tuple[str, str]]]:
         rows = row_reader(name)
         if rows is not None:  # read (and checked) block by block when the consumer asks
-            return _CheckpointRows(plan.source, name, out, *rows, dtype, nonfinite, chunk_bytes), []
+            value = _CheckpointRows(plan.source, name, out, *rows, dtype, nonfinite, chunk_bytes)
+            live_rows.add(value)
+            return value, []
         value = plan.source.read(name, dtype=dtype)
         return value, find_nonfinite(out, value, nonfinite)
 
@@ -384,7 +390,8 @@ def iter_checkpoint(path: os.PathLike, *, key_map: KeyMap = None, convert: Conve
     finally:
         if ahead is not None:
             ahead.stop()
-        plan.source.close()
+        if not live_rows:  # else the files close when the last row blocks (holding the source) are freed
+            plan.source.close()
 
 
 @dataclasses.dataclass

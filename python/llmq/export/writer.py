@@ -184,8 +184,8 @@ class _Exporter:
             return
         parent, _, leaf = module.rpartition(".")
         if leaf in _SIBLINGS and needs_tensor_amax(spec):
-            if isinstance(tensor, RowBlocks):  # held until its siblings arrive: read whole
-                tensor = tensor.whole()
+            # Held until its siblings arrive (or the stream ends). Row blocks stay row blocks, read
+            # twice at the flush (the group's amax, then quantized), rather than held whole.
             kind, members = _SIBLINGS[leaf]
             group = self.pending.setdefault((parent, kind), {})
             group[leaf] = (tensor, spec)
