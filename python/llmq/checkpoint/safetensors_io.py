@@ -268,13 +268,14 @@ class ReadBuffers:
     tensor's storage holds the mapping object until its last view is freed, so the object's
     reference count says whether it is free. Buffers of at least 4 MiB only, at most
     ``max_bytes`` of them kept (a read that finds none free and no room gets a mapping of its
-    own, freed with it); ``clear()`` forgets them all. The default, two blocks of the
-    pipeline's 16 MiB row blocks, serves nearly every read of the INT4 and FP8 streams; each
-    idle buffer adds to peak memory (measured: +15 MB peak RSS for a 1 GB INT4 stream, +35 MB
-    with 48 MiB).
+    own, freed with it); ``clear()`` forgets them all. The default, 40 MiB, serves nearly
+    every read of the NVFP4 and FP8 exports with 16 MiB row blocks (NVFP4 holds q/k/v, 8 MiB
+    each, until the group is complete), and all but the pass-through blocks the INT4 stream's
+    write queue holds; each idle buffer adds to peak memory (1 GB INT4 stream: +15 MB peak RSS
+    with 32 MiB, +35 MB with 48 MiB).
     """
 
-    def __init__(self, max_bytes: int = 32 << 20):
+    def __init__(self, max_bytes: int = 40 << 20):
         self._max_bytes = max_bytes
         self._bufs: List[mmap.mmap] = []
         self._lock = threading.Lock()
