@@ -52,7 +52,7 @@ from llmq.checkpoint.errors import (
     UnsupportedCheckpointError,
 )
 from llmq.checkpoint.gguf_header import GGUFHeader, parse_header_cached
-from llmq.checkpoint.safetensors_io import _HUGE_PAGE_MIN_BYTES, OpenReadOnly, alloc_bytes, pread_exact
+from llmq.checkpoint.safetensors_io import _HUGE_PAGE_MIN_BYTES, OpenReadOnly, ReadBuffers, alloc_bytes, pread_exact
 from llmq.quant.formats import GroupQuantizedWeight, get_format
 from llmq.quant.formats.gguf_blocks import BLOCK_TYPES, decode_into
 
@@ -137,6 +137,7 @@ class GGUFFile(OpenReadOnly):
         self.file_size = header.identity.size
         self.metadata: Dict[str, Any] = {k: list(v) if isinstance(v, list) else v for k, v in header.metadata.items()}
         self.tensors = self._tensor_table(header)
+        self._buffers = ReadBuffers()  # what read() returns, reused once the caller drops it
         self._fd: Optional[int] = os.open(self.path, os.O_RDONLY)
         if not header.identity.matches(os.fstat(self._fd)):
             self.close()
@@ -175,8 +176,15 @@ class GGUFFile(OpenReadOnly):
                 raise CorruptCheckpointError(f"data overlaps tensor {prev.name!r}", path=self.path, tensor=cur.name)
         return out
 
-    def read_raw(self, info: GGUFTensorInfo) -> torch.Tensor:
-        raw = alloc_bytes(info.nbytes)
+    def close(self) -> None:
+        buffers = getattr(self, "_buffers", None)  # absent when __init__ failed before it
+        if buffers is not None:
+            buffers.clear()
+        super().close()
+
+    def read_raw(self, info: GGUFTensorInfo, *, buffers: Optional[ReadBuffers] = None) -> torch.Tensor:
+        """The tensor's stored bytes, in fresh memory (or in one of ``buffers``)."""
+        raw = buffers.take(info.nbytes) if buffers is not None else alloc_bytes(info.nbytes)
         if info.nbytes:
             pread_exact(self._fd, memoryview(raw.numpy()), info.start, path=self.path, tensor=info.name)
         return raw
@@ -188,7 +196,7 @@ class GGUFFile(OpenReadOnly):
         *lead, k = info.shape if len(info.shape) >= 2 else (1, *info.shape)
         n_blocks = info.nbytes // block_bytes
         qbytes, groups = block * bits // 8, block // group
-        qdata = alloc_bytes(n_blocks * qbytes)
+        qdata = self._buffers.take(n_blocks * qbytes)
         scale = alloc_bytes(n_blocks * groups * 4).view(torch.float32)
         bias = alloc_bytes(n_blocks * groups * 4).view(torch.float32)
         per = max(1, CHUNK_BYTES // block_bytes)
@@ -208,7 +216,7 @@ class GGUFFile(OpenReadOnly):
         try:
             if info.type_name in BLOCK_TYPES:
                 return self._read_blocks(info, dtype)
-            return to_canonical(info.type_name, self.read_raw(info), info.shape, dtype=dtype)
+            return to_canonical(info.type_name, self.read_raw(info, buffers=self._buffers), info.shape, dtype=dtype)
         except ValueError as e:
             if isinstance(e, UnsupportedCheckpointError) and e.path:
                 raise

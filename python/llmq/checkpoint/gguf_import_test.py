@@ -284,3 +284,38 @@ def test_truncated_block_data_is_one_error_line_naming_the_tensor(tmp_path):
         list(iter_checkpoint(path))
     msg = str(e.value)
     assert "blk.0.attn_q.weight" in msg and "cut.gguf" in msg and "truncated" in msg and "\n" not in msg
+
+
+def test_outputs_held_by_the_caller_keep_their_bytes_and_dropped_ones_are_reused(tmp_path):
+    """Imported tensors of 4 MiB and more come from reused buffers (ReadBuffers): one the caller
+    still holds is never written again; dropped ones are."""
+    rng = np.random.default_rng(5)
+    path = tmp_path / "big.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    raws = {}
+    for i in range(4):  # Q8_0 [2048, 2048]: 4 MiB of codes each; f32 [1024, 1024]: 4 MiB read raw
+        raws[f"blk.{i}.q.weight"] = random_blocks("Q8_0", (2048, 2048), rng)
+        w.add_tensor(f"blk.{i}.q.weight", raws[f"blk.{i}.q.weight"], raw_dtype=T.Q8_0)
+        raws[f"blk.{i}.f.weight"] = rng.standard_normal((1024, 1024)).astype(np.float32)
+        w.add_tensor(f"blk.{i}.f.weight", raws[f"blk.{i}.f.weight"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+    def expected(name):
+        if name.endswith(".f.weight"):
+            return torch.from_numpy(raws[name])
+        return torch.from_numpy(gguf.quants.dequantize(raws[name], T.Q8_0))
+
+    held = list(iter_checkpoint(str(path)))
+    for name, value in held:
+        got = dequantize_canonical(value).float() if isinstance(value, GroupQuantizedWeight) else value
+        assert torch.equal(got, expected(name)), name
+    del held, value, got
+    pointers = set()
+    for name, value in iter_checkpoint(str(path)):
+        got = dequantize_canonical(value).float() if isinstance(value, GroupQuantizedWeight) else value
+        assert torch.equal(got, expected(name)), name
+        pointers.add((value.qdata if isinstance(value, GroupQuantizedWeight) else value).data_ptr())
+    assert len(pointers) <= 4  # 8 tensors of 4 MiB from a few buffers
