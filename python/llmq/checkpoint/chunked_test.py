@@ -155,6 +155,31 @@ def test_nan_warning_names_the_whole_tensors_counts(tmp_path):
     assert messages(CHUNK) == messages(None) and len(messages(None)) == 1
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_amax_pass_checks_like_the_reader(tmp_path, bad):
+    """abs_max() reads the blocks once, the NaN/Inf check folded into the amax: a finite
+    tensor gives the exact amax, a NaN/Inf the reader's own error or (warn) one warning."""
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(384, 256, generator=g).to(torch.bfloat16)
+    path = os.path.join(str(tmp_path), "model.safetensors")
+    save_file({"model.layers.0.mlp.down_proj.weight": w}, path)
+    (_, rows), = iter_checkpoint(path, chunk_bytes=CHUNK)
+    assert float(rows.abs_max()) == float(w.float().abs().max())
+    w[300, 7] = bad
+    save_file({"model.layers.0.mlp.down_proj.weight": w}, path)
+    with pytest.raises(NonFiniteWeightError) as whole:
+        list(iter_checkpoint(path))
+    (_, rows), = iter_checkpoint(path, chunk_bytes=CHUNK)
+    with pytest.raises(NonFiniteWeightError) as chunked:
+        rows.abs_max()
+    assert str(chunked.value) == str(whole.value)
+    (_, rows), = iter_checkpoint(path, chunk_bytes=CHUNK, nonfinite="warn")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rows.abs_max()
+    assert len(caught) == 1 and "down_proj" in str(caught[0].message)
+
+
 def test_quantizer_errors_are_the_whole_tensors(tmp_path):
     """NaN allowed through by the reader: the block quantizer fails and the whole-tensor one
     raises its own message."""
