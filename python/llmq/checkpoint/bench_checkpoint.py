@@ -14,7 +14,8 @@ phase's own):
             Tensors over --chunk-mb travel as blocks of rows (iter_checkpoint chunk_bytes).
   torchao   the usual way: load every shard whole (safetensors.torch.load_file), assign
             into a model, torchao.quantize_(IntxWeightOnlyConfig(int4, PerGroup(32))); in the
-            same rounds as stream and fp.
+            same rounds as stream and fp. After the rounds, once per FP path, the same with
+            torchao's config of that format (Float8WeightOnly per row, NVFP4WeightOnly).
   fp        iter_checkpoint -> llmq.export (ModelOpt-style NVFP4 and FP8 per-channel folder,
             streaming shards): the FP paths, same input, same repeat rule as stream.
   gguf      iter_checkpoint over a GGUF of Q4_0/Q8_0/Q4_K/Q6_K tensors: GB/s of input, next to
@@ -253,11 +254,32 @@ def phase_quant_only(ckpt: str) -> dict:
     return {"bytes": n, "seconds": best}
 
 
-def phase_torchao(ckpt: str) -> dict:
+def torchao_config(fmt: str):
+    """torchao's config for the reference of a path: int4 g32 (the common reference), or the
+    FP path's own format (per-row FP8 as the FP8 path's per-channel, NVFP4 with its per-tensor scale)."""
+    import torch
+    from torchao.quantization import Float8WeightOnlyConfig, IntxWeightOnlyConfig
+    from torchao.quantization.granularity import PerGroup, PerRow
+
+    if fmt == "int4":
+        return IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(32))
+    if fmt == "fp8":
+        return Float8WeightOnlyConfig(granularity=PerRow())
+    if fmt == "nvfp4":
+        from torchao.prototype.mx_formats import NVFP4WeightOnlyConfig
+
+        return NVFP4WeightOnlyConfig(use_dynamic_per_tensor_scale=True)
+    raise ValueError(fmt)
+
+
+TORCHAO_NAMES = {"int4": "IntxWeightOnly int4 g32", "fp8": "Float8WeightOnly per row",
+                 "nvfp4": "NVFP4WeightOnly, per-tensor scale"}
+
+
+def phase_torchao(ckpt: str, fmt: str = "int4") -> dict:
     import torch
     from safetensors.torch import load_file
-    from torchao.quantization import IntxWeightOnlyConfig, quantize_
-    from torchao.quantization.granularity import PerGroup
+    from torchao.quantization import quantize_
 
     warm(files_of(ckpt))
     base = rss_bytes()
@@ -273,7 +295,7 @@ def phase_torchao(ckpt: str) -> dict:
             mod.weight = torch.nn.Parameter(t, requires_grad=False)
             model.add_module(name.removesuffix(".weight").replace(".", "_"), mod)
     del sd
-    quantize_(model, IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(32)))
+    quantize_(model, torchao_config(fmt))
     dt = time.perf_counter() - t0
     return {"seconds": dt, "load_seconds": t_load, "baseline_rss": base, "peak_rss": peak_rss_bytes()}
 
@@ -384,7 +406,9 @@ def main(argv=None) -> int:
                    help="also time the INT4 stream with fsync=False (how much the disk costs)")
     p.add_argument("--repeat", type=int, default=3,
                    help="fresh-process runs of each stream variant (median and best are printed)")
-    p.add_argument("--skip", default="", help="comma-separated phases to skip (read,stream,fp,torchao,gguf)")
+    p.add_argument("--skip", default="",
+                   help="comma-separated phases to skip (read,stream,fp,torchao,torchao_fp,gguf); torchao_fp: "
+                        "the FP paths' same-format torchao references")
     p.add_argument("--phase", help=argparse.SUPPRESS)
     p.add_argument("--args", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -394,7 +418,7 @@ def main(argv=None) -> int:
     skip = set(filter(None, a.skip.split(",")))
     os.makedirs(a.workdir, exist_ok=True)
     rows = []
-    table, io_rate, torchao_rate, paired = [], {}, {}, []
+    table, io_rate, torchao_rate, paired, same_format = [], {}, {}, [], []
     try:
         for size in [float(s) for s in a.sizes.split(",")]:
             ckpt = os.path.join(a.workdir, f"ckpt_{size:g}gb")
@@ -465,6 +489,16 @@ def main(argv=None) -> int:
                     if not key[1] and key[2]:
                         io_rate[size] = gb / s["seconds"]
                 table.append((size, gb, label, gb / s["seconds"], gb / secs[0], s, info["bytes"]))
+            if "fp" not in skip and "torchao" not in skip and "torchao_fp" not in skip:
+                # Each FP path against torchao's quantize_ of the same format: one run each (torchao's
+                # NVFP4 on CPU takes ~15 s per GB), after the rounds, next to the median FP run.
+                for fmt in FP_CONFIGS:
+                    t = run_phase("torchao", ckpt, fmt)
+                    ours = statistics.median(r["seconds"] for r in runs[("fp", fmt)])
+                    print(f"whole load + torchao quantize_ ({TORCHAO_NAMES[fmt]}): {gb / t['seconds']:.3f} GB/s "
+                          f"(one run; load {t['load_seconds']:.2f} s), peak RSS {t['peak_rss'] / 1e6:.0f} MB; "
+                          f"the {fmt.upper()} path's median is {t['seconds'] / ours:.1f}x faster", flush=True)
+                    same_format.append((gb, fmt, gb / ours, gb / t["seconds"]))
             if "stream" not in skip:
                 q = run_phase("quant_only", ckpt)
                 print(f"quantize_weight arithmetic alone (one layer in memory): {q['bytes'] / GB / q['seconds']:.2f} GB/s",
@@ -486,6 +520,12 @@ def main(argv=None) -> int:
                           ggb / g["seconds"], g, info["bytes"]))
         print_table(table, io_rate, torchao_rate)
         print_paired(paired)
+        if same_format:
+            print("\n| input | path | GB/s (median) | torchao load + quantize_, same format: GB/s (one run) | x torchao |")
+            print("|---|---|---|---|---|")
+            for gb, fmt, ours, ao in same_format:
+                print(f"| {gb:.2f} GB | read -> {fmt.upper()} -> HF folder | {ours:.2f} | {ao:.3f} ({TORCHAO_NAMES[fmt]}) "
+                      f"| {ours / ao:.1f} |")
     finally:
         if not a.keep:
             shutil.rmtree(a.workdir, ignore_errors=True)
