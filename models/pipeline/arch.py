@@ -26,6 +26,9 @@ class Architecture:
     # Per-expert HF tensors -> the model's stacked layout (None: the architecture has none).
     is_per_expert: Optional[Callable[[str], bool]] = None
     merge_experts: Optional[Callable[[Dict[str, torch.Tensor]], Dict[str, torch.Tensor]]] = None
+    # (a per-expert tensor's name, experts per layer) -> the stacks it belongs to, filled tensor by tensor
+    # (`add(name, t)`, `complete`, `count`, `stacks()`): the streamed path's merge_experts, one copy of each.
+    expert_stacks: Optional[Callable[[str, int], Any]] = None
     # One model tensor -> the HF checkpoint tensors it is stored as (e.g. per-expert unstacking).
     to_hf_tensors: Callable[[str, torch.Tensor], Dict[str, torch.Tensor]] = lambda name, t: {name: t}
     # Adjusts the random embedded-default model where plain random init is unlike a trained model.

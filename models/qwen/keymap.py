@@ -5,7 +5,8 @@ Our module names are HF's ``Qwen3_5MoeForCausalLM`` names, so the map only
 - skips what the text model does not have (``model.visual.*`` vision tower, ``mtp.*`` multi-token
   prediction head),
 - keeps per-expert tensors (``...mlp.experts.{e}.gate_proj.weight``) under their own names for
-  ``stack_experts`` to fuse into ``experts.gate_up_proj`` [E, 2F, D] / ``experts.down_proj`` [E, D, F].
+  ``stack_experts`` (a whole dict) or ``ExpertStacks`` (one block, tensor by tensor, as streamed) to fuse
+  into ``experts.gate_up_proj`` [E, 2F, D] / ``experts.down_proj`` [E, D, F].
 """
 
 from __future__ import annotations
@@ -26,13 +27,75 @@ def is_per_expert_key(name: str) -> bool:
     return _PER_EXPERT.match(name) is not None
 
 
+class ExpertStacks:
+    """One MoE block's fused expert stacks, filled in place as its per-expert tensors arrive.
+
+    ``add`` copies gate_e and up_e into ``gate_up_proj[e]`` (gate rows first) and down_e into
+    ``down_proj[e]``; the caller may free each tensor right after, so a streamed layer costs its
+    stacks once rather than its per-expert tensors plus the stacks. ValueError names a tensor
+    that does not fit (index out of range, given twice, shape or dtype unlike the others)."""
+
+    def __init__(self, prefix: str, n_experts: int):
+        self.prefix, self.n_experts = prefix, n_experts
+        self._stacks: Dict[str, torch.Tensor] = {}
+        self._filled: set = set()
+
+    @classmethod
+    def for_tensor(cls, name: str, n_experts: int) -> "ExpertStacks":
+        """The stacks that the per-expert tensor `name` belongs to."""
+        m = _PER_EXPERT.match(name)
+        if m is None:
+            raise ValueError(f"{name}: not a per-expert tensor")
+        return cls(m["prefix"], n_experts)
+
+    @property
+    def count(self) -> int:
+        return len(self._filled)
+
+    @property
+    def complete(self) -> bool:
+        return self.count == 3 * self.n_experts
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        m = _PER_EXPERT.match(name)
+        if m is None or m["prefix"] != self.prefix:
+            raise ValueError(f"{name}: not a per-expert tensor of {self.prefix}")
+        e, part = int(m["e"]), m["part"]
+        if not 0 <= e < self.n_experts:
+            raise ValueError(f"{name}: expert index {e} is outside 0..{self.n_experts - 1}")
+        if (e, part) in self._filled:
+            raise ValueError(f"{name}: given twice")
+        fused = "down_proj" if part == "down_proj" else "gate_up_proj"
+        if fused not in self._stacks and tensor.dim() == 2:
+            rows, cols = tensor.shape
+            shape = (self.n_experts, rows if fused == "down_proj" else 2 * rows, cols)
+            self._stacks[fused] = torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
+        stack = self._stacks.get(fused)
+        rows = 0 if stack is None else stack.shape[1] // (1 if fused == "down_proj" else 2)
+        if stack is None or tuple(tensor.shape) != (rows, stack.shape[2]) or tensor.dtype != stack.dtype:
+            want = "a 2-D tensor" if stack is None else f"{[rows, stack.shape[2]]} {stack.dtype}"
+            raise ValueError(f"{name}: per-expert tensors have inconsistent shapes: {list(tensor.shape)} "
+                             f"{tensor.dtype}, the block's others are {want}")
+        r0 = rows if part == "up_proj" else 0
+        stack[e, r0:r0 + rows].copy_(tensor)
+        self._filled.add((e, part))
+
+    def stacks(self) -> Dict[str, torch.Tensor]:
+        """{prefix.gate_up_proj: [E, 2F, D], prefix.down_proj: [E, D, F]} once every expert arrived."""
+        if not self.complete:
+            counts = {p: sum(1 for _, q in self._filled if q == p) for p in ("gate_proj", "up_proj", "down_proj")}
+            raise ValueError(f"{self.prefix}: per-expert tensors incomplete (counts per projection: {counts})")
+        return {f"{self.prefix}.gate_up_proj": self._stacks["gate_up_proj"],
+                f"{self.prefix}.down_proj": self._stacks["down_proj"]}
+
+
 def stack_experts(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     """Replace per-expert tensors by the fused stacks; other entries pass through unchanged.
 
     ``model.layers.L.mlp.experts.{e}.{gate,up,down}_proj.weight`` for e = 0..E-1 become
-    ``...experts.gate_up_proj`` = stack_e(cat(gate_e, up_e)) [E, 2F, D] and ``...experts.down_proj`` [E, D, F].
-    Works on any subset of layers (e.g. one streamed layer). Raises ValueError naming a layer whose
-    experts are incomplete or inconsistent.
+    ``...experts.gate_up_proj`` = stack_e(cat(gate_e, up_e)) [E, 2F, D] and ``...experts.down_proj`` [E, D, F]
+    (built by ExpertStacks). Works on any subset of layers (e.g. one streamed layer). Raises
+    ValueError naming a layer whose experts are incomplete or inconsistent.
     """
     out: Dict[str, torch.Tensor] = {}
     groups: Dict[str, Dict[str, Dict[int, torch.Tensor]]] = {}
@@ -49,13 +112,11 @@ def stack_experts(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
             raise ValueError(f"{prefix}: per-expert tensors incomplete (counts per projection: {counts})")
         if experts != list(range(len(experts))) or any(sorted(parts[p]) != experts for p in parts):
             raise ValueError(f"{prefix}: expert indices must be 0..{len(experts) - 1} for gate, up and down")
-        try:
-            gate_up = torch.stack([torch.cat((parts["gate_proj"][e], parts["up_proj"][e]), dim=0) for e in experts])
-            down = torch.stack([parts["down_proj"][e] for e in experts])
-        except RuntimeError as exc:
-            raise ValueError(f"{prefix}: per-expert tensors have inconsistent shapes: {exc}") from None
-        out[f"{prefix}.gate_up_proj"] = gate_up
-        out[f"{prefix}.down_proj"] = down
+        stacks = ExpertStacks(prefix, len(experts))
+        for e in experts:
+            for part in ("gate_proj", "up_proj", "down_proj"):
+                stacks.add(f"{prefix}.{e}.{part}.weight", parts[part][e])
+        out.update(stacks.stacks())
     return out
 
 

@@ -107,6 +107,70 @@ def test_key_map_and_stacking():
         keymap.stack_experts(per_expert)
 
 
+def _per_expert(n_experts=3, f=5, d=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for e in range(n_experts):  # checkpoint (alphabetical) order: down, gate, up of each expert
+        out[f"model.layers.2.mlp.experts.{e}.down_proj.weight"] = torch.randn(d, f, generator=g).bfloat16()
+        out[f"model.layers.2.mlp.experts.{e}.gate_proj.weight"] = torch.randn(f, d, generator=g).bfloat16()
+        out[f"model.layers.2.mlp.experts.{e}.up_proj.weight"] = torch.randn(f, d, generator=g).bfloat16()
+    return out
+
+
+def test_expert_stacks_filled_tensor_by_tensor_equal_stack_experts():
+    per_expert = _per_expert()
+    stacks = keymap.ExpertStacks.for_tensor(next(iter(per_expert)), 3)
+    for name, t in per_expert.items():
+        assert not stacks.complete
+        stacks.add(name, t)
+    assert stacks.complete
+    want = keymap.stack_experts(per_expert)
+    got = stacks.stacks()
+    assert list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+    name = "model.layers.2.mlp.experts.1.up_proj.weight"
+    bad = [(name, per_expert[name], "given twice"),
+           ("model.layers.2.mlp.experts.3.up_proj.weight", per_expert[name], "outside 0..2"),
+           ("model.layers.2.mlp.experts.0.gate_proj.weight", per_expert[name][:, :3], "inconsistent shapes"),
+           ("model.layers.2.mlp.experts.0.gate_proj.weight", per_expert[name].float(), "inconsistent shapes"),
+           ("model.layers.3.mlp.experts.0.gate_proj.weight", per_expert[name], "not a per-expert tensor of")]
+    for bad_name, tensor, message in bad:
+        fresh = keymap.ExpertStacks.for_tensor(bad_name, 3)
+        if "layers.2" in bad_name and "outside" not in message:  # the block's first tensor fixes its shapes
+            fresh.add(name, per_expert[name])
+        target = stacks if "layers.3" in bad_name else fresh
+        with pytest.raises(ValueError, match=message) as e:
+            target.add(bad_name, tensor)
+        assert bad_name in str(e.value)
+    with pytest.raises(ValueError, match="incomplete"):
+        keymap.ExpertStacks.for_tensor(name, 3).stacks()
+
+
+def test_streamed_experts_are_not_held_until_the_layer_completes():
+    """merge_experts_stream copies each per-expert tensor into the stacks at once: none is still
+    referenced when the next is asked for, so a layer costs its stacks, not twice that."""
+    import weakref
+
+    from models.pipeline.streaming import merge_experts_stream
+
+    per_expert = _per_expert()
+    want = keymap.stack_experts(per_expert)
+    refs = []
+
+    def source():
+        for name in list(per_expert):
+            t = per_expert.pop(name)
+            if refs:
+                assert refs[-1]() is None, "the previous per-expert tensor is still held"
+            refs.append(weakref.ref(t))
+            yield name, t
+            del t
+
+    got = dict(merge_experts_stream(source(), ARCHITECTURE, 3))
+    assert list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)
+    assert len(refs) == 9 and all(r() is None for r in refs)
+
+
 def test_generate_matches_transformers_greedy(checkpoint):
     parity.check_greedy_generate(ARCHITECTURE, *checkpoint, [5, 17, 3, 42, 8])
 

@@ -22,6 +22,7 @@ def tiny_hf_config() -> dict:
 
 ARCHITECTURE = package_architecture(
     "qwen3.5-moe", __file__, config=config, model=model, keymap=keymap, tiny_hf_config=tiny_hf_config,
-    is_per_expert=keymap.is_per_expert_key, merge_experts=keymap.stack_experts, to_hf_tensors=keymap.unstack_experts,
+    is_per_expert=keymap.is_per_expert_key, merge_experts=keymap.stack_experts,
+    expert_stacks=keymap.ExpertStacks.for_tensor, to_hf_tensors=keymap.unstack_experts,
     gguf_import=gguf_checkpoint,
 )
