@@ -23,11 +23,12 @@ class Architecture:
     config_from_hf: Callable[[Dict[str, Any]], Any]
     build_model: Callable[..., nn.Module]  # (config, device=..., dtype=...) -> model
     key_map: Callable[[str], Optional[str]]  # HF name -> model state name | None (skip)
-    # Per-expert HF tensors -> the model's stacked layout (None: the architecture has none).
+    # Per-expert HF tensors -> the model's stacked layout (None: the architecture has none). With
+    # is_per_expert, both: merge_experts for a dict of tensors (loading), expert_stacks for a stream:
+    # (a per-expert tensor's name, experts per layer) -> the stacks it belongs to, filled tensor by
+    # tensor (`add(name, t)`, `complete`, `count`, `stacks()`), each tensor copied once.
     is_per_expert: Optional[Callable[[str], bool]] = None
     merge_experts: Optional[Callable[[Dict[str, torch.Tensor]], Dict[str, torch.Tensor]]] = None
-    # (a per-expert tensor's name, experts per layer) -> the stacks it belongs to, filled tensor by tensor
-    # (`add(name, t)`, `complete`, `count`, `stacks()`): the streamed path's merge_experts, one copy of each.
     expert_stacks: Optional[Callable[[str, int], Any]] = None
     # One model tensor -> the HF checkpoint tensors it is stored as (e.g. per-expert unstacking).
     to_hf_tensors: Callable[[str, torch.Tensor], Dict[str, torch.Tensor]] = lambda name, t: {name: t}

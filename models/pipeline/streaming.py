@@ -1,9 +1,8 @@
 """Checkpoint -> model-layout stream, one layer's worth of tensors live at most.
 
 Per-expert HF tensors (`...mlp.experts.{e}.gate_proj.weight`, ...) are copied into the stacked
-layout the model uses as they arrive (an architecture's `expert_stacks`; else buffered per layer
-for its `merge_experts`) and the stacks emitted as soon as that layer's set is complete, so peak
-memory is one layer's stacks, never the model.
+layout the model uses as they arrive (the architecture's `expert_stacks`) and the stacks emitted
+as soon as that layer's set is complete, so peak memory is one layer's stacks, never the model.
 """
 
 from __future__ import annotations
@@ -30,31 +29,25 @@ def merge_experts_stream(items: Iterable[Tuple[str, torch.Tensor]], arch: Archit
     if arch.is_per_expert is None:
         yield from items
         return
-    pending: Dict[str, Any] = {}  # layer prefix -> its stacks being filled (or its per-expert tensors)
-    need = 3 * experts_per_layer  # gate, up, down per expert
+    pending: Dict[str, Any] = {}  # layer prefix -> its stacks being filled (arch.expert_stacks)
     for name, tensor in items:
         if isinstance(tensor, RowBlocks) and arch.is_per_expert(name):
-            tensor = tensor.whole()  # stacked with the layer's others: needed whole
+            tensor = tensor.whole()  # copied into the layer's stacks: needed whole
         if not (isinstance(tensor, torch.Tensor) and arch.is_per_expert(name)):
             yield name, tensor
             continue
         layer = _layer_prefix(name)
-        if arch.expert_stacks is not None:  # copied into its slot now, not held until the layer completes
-            stacks = pending.get(layer) or pending.setdefault(layer, arch.expert_stacks(name, experts_per_layer))
-            stacks.add(name, tensor)
-            del tensor
-            if stacks.complete:
-                yield from pending.pop(layer).stacks().items()
-            del stacks
-            continue
-        bucket = pending.setdefault(layer, {})
-        bucket[name] = tensor
-        if len(bucket) == need:
-            yield from arch.merge_experts(pending.pop(layer)).items()
+        stacks = pending.get(layer)
+        if stacks is None:
+            stacks = pending[layer] = arch.expert_stacks(name, experts_per_layer)
+        stacks.add(name, tensor)  # copied into its slot: not held until the layer completes
+        del tensor
+        if stacks.complete:
+            yield from pending.pop(layer).stacks().items()
+        del stacks
     if pending:
-        layer, held = next(iter(pending.items()))
-        count = len(held) if isinstance(held, dict) else held.count
+        layer, stacks = next(iter(pending.items()))
         raise ValueError(
-            f"checkpoint ended with incomplete experts for layer {layer!r}: {count} of {need} "
-            f"per-expert tensors (expected gate/up/down for {experts_per_layer} experts)"
+            f"checkpoint ended with incomplete experts for layer {layer!r}: {stacks.count} of "
+            f"{3 * experts_per_layer} per-expert tensors (expected gate/up/down for {experts_per_layer} experts)"
         )

@@ -417,7 +417,6 @@ def main(argv=None) -> int:
         return 0
     skip = set(filter(None, a.skip.split(",")))
     os.makedirs(a.workdir, exist_ok=True)
-    rows = []
     table, io_rate, torchao_rate, paired, same_format = [], {}, {}, [], []
     try:
         for size in [float(s) for s in a.sizes.split(",")]:
@@ -435,7 +434,6 @@ def main(argv=None) -> int:
                       f"{ref:.0f} GB/s) | "
                       f"with NaN/Inf check {chk:.2f} GB/s | peak RSS {r['peak_rss'] / 1e6:.0f} MB "
                       f"(baseline {r['baseline_rss'] / 1e6:.0f} MB)", flush=True)
-                rows.append(("read", size, r))
                 one = gb / r["iter_checkpoint_one_range_s"]
                 table.append((size, gb, "`iter_checkpoint` read (no write)", ours, ours, r, info["bytes"]))
                 table.append((size, gb, "same, one `preadv` per tensor (the reader before this change)", one, one, r,
@@ -469,10 +467,9 @@ def main(argv=None) -> int:
                 if key[0] == "torchao":
                     secs = sorted(r["seconds"] for r in runs[key])
                     t = dict(max(runs[key], key=lambda r: r["peak_rss"]), seconds=statistics.median(secs))
-                    print(f"whole load + torchao quantize_ (IntxWeightOnly int4 g32): {gb / t['seconds']:.2f} GB/s "
+                    print(f"whole load + torchao quantize_ ({TORCHAO_NAMES['int4']}): {gb / t['seconds']:.2f} GB/s "
                           f"median of {len(secs)} ({', '.join(f'{x:.2f}' for x in secs)} s), peak RSS "
                           f"{t['peak_rss'] / 1e6:.0f} MB = {t['peak_rss'] / info['bytes']:.2f}x checkpoint", flush=True)
-                    rows.append(("torchao", size, t))
                     table.append((size, gb, label, gb / t["seconds"], gb / secs[0], t, info["bytes"]))
                     torchao_rate[size] = gb / t["seconds"]
                     continue
@@ -484,10 +481,8 @@ def main(argv=None) -> int:
                       f"{(s['peak_rss'] - s['baseline_rss']) / 1e6:.0f} MB = "
                       f"{(s['peak_rss'] - s['baseline_rss']) / info['bytes']:.3f}x; output {s['out_bytes'] / 1e9:.2f} GB",
                       flush=True)
-                if key[0] == "stream":
-                    rows.append(("stream", size, dict(s, fsync=key[2], quantize=key[1])))
-                    if not key[1] and key[2]:
-                        io_rate[size] = gb / s["seconds"]
+                if key[0] == "stream" and not key[1] and key[2]:
+                    io_rate[size] = gb / s["seconds"]
                 table.append((size, gb, label, gb / s["seconds"], gb / secs[0], s, info["bytes"]))
             if "fp" not in skip and "torchao" not in skip and "torchao_fp" not in skip:
                 # Each FP path against torchao's quantize_ of the same format: one run each (torchao's

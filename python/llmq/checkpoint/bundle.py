@@ -50,8 +50,8 @@ from llmq.checkpoint.errors import (
     ResumeMismatchError,
     TensorMismatchError,
 )
-from llmq.checkpoint.ordered_worker import OrderedWorker
 from llmq.checkpoint.fileio import copy_file, fsync_path, remove_partial, write_all, write_error, write_file_atomic
+from llmq.checkpoint.ordered_worker import OrderedWorker
 from llmq.checkpoint.safetensors_io import DTYPE_NAMES
 from llmq.checkpoint.shard_file import ShardLayout, ShardRotation, block_writes, placeholder
 from llmq.quant.chunked import QuantizedRowBlocks, RowBlocks, is_row_blocks

@@ -127,6 +127,8 @@ class GGUFFile(OpenReadOnly):
     metadata arrays stay on disk until used), never by gguf-py.
     """
 
+    _buffers: Optional[ReadBuffers] = None  # set in __init__ (close() may run when __init__ failed first)
+
     def __init__(self, path: os.PathLike):
         self.path = os.fspath(path)
         if not os.path.exists(self.path):
@@ -177,9 +179,8 @@ class GGUFFile(OpenReadOnly):
         return out
 
     def close(self) -> None:
-        buffers = getattr(self, "_buffers", None)  # absent when __init__ failed before it
-        if buffers is not None:
-            buffers.clear()
+        if self._buffers is not None:
+            self._buffers.clear()
         super().close()
 
     def read_raw(self, info: GGUFTensorInfo, *, buffers: Optional[ReadBuffers] = None) -> torch.Tensor:

@@ -25,7 +25,7 @@ from llmq.checkpoint.errors import (
     TensorMismatchError,
 )
 from llmq.checkpoint.tensor_sources import Source, open_source
-from llmq.quant import _native, _native_fp
+from llmq.quant import _native
 from llmq.quant.chunked import RowBlocks
 from llmq.quant.formats import GroupQuantizedWeight
 
@@ -149,22 +149,6 @@ class _CheckpointRows(RowBlocks):
             del block
         if n_nan or n_inf:
             self._report(n_nan, n_inf, policy)
-
-    def abs_max(self) -> torch.Tensor:
-        """As RowBlocks.abs_max, with the NaN/Inf check folded into the amax: the compiled amax
-        is finite exactly when every element is, so the blocks are read unchecked and only a
-        tensor with a NaN/Inf (or no compiled kernel) takes the checked pass, which counts and
-        reports them."""
-        if self._nonfinite == "allow":
-            return super().abs_max()
-        amax = None
-        for _, block in self.blocks(check=False):
-            m = _native_fp.abs_max(block, False)
-            del block
-            if m is None:
-                return super().abs_max()
-            amax = m if amax is None else torch.maximum(amax, m)
-        return amax
 
     def whole(self) -> torch.Tensor:
         value = self._source.read(self._name)

@@ -26,8 +26,8 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from llmq.checkpoint.ordered_worker import OrderedWorker
 from llmq.checkpoint.fileio import remove_partial, write_all, write_error
+from llmq.checkpoint.ordered_worker import OrderedWorker
 from llmq.checkpoint.safetensors_io import encode_header, entry_fragment_size, header_json_size
 
 __all__ = ["ShardLayout", "ShardRotation", "StreamingShardFile", "block_writes", "header_reserve", "hf_shard_names",

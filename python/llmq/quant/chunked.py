@@ -88,7 +88,21 @@ class RowBlocks:
 
     def abs_max(self) -> torch.Tensor:
         """float32 max |w| over the whole tensor (0-dim), one block at a time: exact, a max of the
-        blocks' maxima. Blocks are checked as `blocks()` checks them."""
+        blocks' maxima. The NaN/Inf check is folded into the compiled amax, which is finite
+        exactly when every element is: the blocks are read unchecked, and only a tensor with a
+        NaN/Inf (or no compiled kernel) is read again checked, as `blocks()` checks it."""
+        from llmq.quant import _native_fp
+
+        amax = None
+        for _, block in self.blocks(check=False):
+            m = _native_fp.abs_max(block, False)
+            del block
+            if m is None:
+                return self._checked_abs_max()
+            amax = m if amax is None else torch.maximum(amax, m)
+        return amax
+
+    def _checked_abs_max(self) -> torch.Tensor:
         amax = None
         for _, block in self.blocks():
             m = _block_abs_max(block)
