@@ -273,8 +273,8 @@ def _sibling_checkpoint(folder, names):
 
 
 def test_siblings_sharing_an_amax_are_not_read_whole(tmp_path, monkeypatch):
-    """gate/up (and q/k/v) share NVFP4's global scale: as row blocks they are read twice (amax,
-    then quantize) when their group completes, never whole; bytes as the whole-tensor path."""
+    """gate/up (and q/k/v) share NVFP4's global scale: as row blocks they are read block by block
+    (amax, then quantize) when their group completes, never whole; bytes as the whole-tensor path."""
     from llmq.export import write_hf_quantized_checkpoint
 
     names = [f"model.layers.0.mlp.{p}_proj.weight" for p in ("down", "gate", "up")]
@@ -292,6 +292,68 @@ def test_siblings_sharing_an_amax_are_not_read_whole(tmp_path, monkeypatch):
             write_hf_quantized_checkpoint(out, iter_checkpoint(src, chunk_bytes=chunk_bytes), lambda module: fmt)
         outs.append(_files(out))
     assert outs[1] == outs[0]
+
+
+def _count_reads(monkeypatch):
+    """{tensor name: bytes read from its file} for reads from here on."""
+    from llmq.checkpoint import safetensors_io
+
+    read = {}
+    real = safetensors_io.pread_exact
+
+    def counting(fd, buf, offset, *, path, tensor):
+        read[tensor] = read.get(tensor, 0) + len(buf)
+        return real(fd, buf, offset, path=path, tensor=tensor)
+
+    monkeypatch.setattr(safetensors_io, "pread_exact", counting)
+    return read
+
+
+def test_amax_pass_keeps_its_last_blocks_for_the_next_pass(tmp_path, monkeypatch):
+    """abs_max(keep_blocks=n) holds the last n blocks it read; the next blocks() yields them
+    (equal to a fresh read) instead of reading them again, once: the pass after reads all."""
+    src = _checkpoint(str(tmp_path))
+    name = "model.layers.0.mlp.down_proj.weight"
+    whole = dict(iter_checkpoint(src))[name]
+    read = _count_reads(monkeypatch)
+    rows = dict(iter_checkpoint(src, chunk_bytes=CHUNK))[name]
+    block_bytes = rows.block_rows * whole.shape[1] * whole.element_size()
+    assert float(rows.abs_max(keep_blocks=2)) == float(whole.float().abs().max())
+    assert read[name] == whole.nbytes
+    got = list(rows.blocks())
+    assert read[name] == 2 * whole.nbytes - 2 * block_bytes  # the last two blocks were not read again
+    assert torch.equal(torch.cat([b for _, b in got]), whole) and [r0 for r0, _ in got] == list(range(0, 384, 8))
+    list(rows.blocks())
+    assert read[name] == 3 * whole.nbytes - 2 * block_bytes  # kept blocks are handed out once
+    rows.abs_max(keep_blocks=2)
+    assert list(r0 for r0, _ in rows.blocks(16)) == list(range(0, 384, 16))  # other bounds: read, not kept
+    assert read[name] == 5 * whole.nbytes - 2 * block_bytes
+
+    rows = TensorRowBlocks(whole, 100)  # the base class: 4 blocks, the last of 84 rows
+    reads = []
+    monkeypatch.setattr(TensorRowBlocks, "_read", lambda self, r0, r1, check: reads.append(r0) or self.tensor[r0:r1].clone())
+    rows.abs_max(keep_blocks=1)
+    assert torch.equal(torch.cat([b for _, b in rows.blocks()]), whole) and reads == [0, 100, 200, 300, 0, 100, 200]
+
+
+def test_nvfp4_export_reads_a_two_block_weight_once_where_it_is_quantized_next(tmp_path, monkeypatch):
+    """A weight needing a tensor amax is quantized right after its amax pass from the blocks that
+    pass kept (a sibling group: the first one written), so a weight of two blocks is read once;
+    the other siblings are read twice. Bytes as the whole-tensor path."""
+    from llmq.export import write_hf_quantized_checkpoint
+
+    names = [f"model.layers.0.mlp.{p}_proj.weight" for p in ("down", "gate", "up")]
+    names += [f"model.layers.0.self_attn.{p}_proj.weight" for p in ("k", "o", "q", "v")]
+    src = _sibling_checkpoint(str(tmp_path), names)
+    fmt = {"format": "nvfp4"}
+    write_hf_quantized_checkpoint(str(tmp_path / "whole"), iter_checkpoint(src), lambda module: fmt)
+    read = _count_reads(monkeypatch)
+    size = 384 * 256 * 2
+    write_hf_quantized_checkpoint(str(tmp_path / "rows"), iter_checkpoint(src, chunk_bytes=size // 2),
+                                  lambda module: fmt)
+    once = {n for n in names if n.split(".")[-2] in ("down_proj", "gate_proj", "k_proj", "o_proj")}
+    assert read == {n: size if n in once else 2 * size for n in names}
+    assert _files(str(tmp_path / "rows")) == _files(str(tmp_path / "whole"))
 
 
 @pytest.mark.parametrize("last", ["model.layers.0.mlp.up_proj.weight", "model.layers.1.self_attn.v_proj.weight"])

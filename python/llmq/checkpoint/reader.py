@@ -134,8 +134,14 @@ class _CheckpointRows(RowBlocks):
     def blocks(self, multiple: int = 1, *, check: bool = True):
         policy = self._nonfinite if check else "allow"
         bounds = list(self.bounds(multiple))
+        kept = self.take_kept()  # abs_max found them finite and cast them already
         n_nan = n_inf = 0
         for i, (r0, r1) in enumerate(bounds):
+            block = kept.pop((r0, r1), None)
+            if block is not None:
+                yield r0, block
+                del block
+                continue
             block = self._read_rows(r0, r1)
             if policy != "allow":
                 a, b = count_nonfinite(block)

@@ -42,7 +42,7 @@ from llmq.export.spec import (
 from llmq.checkpoint.shard_file import placeholder
 from llmq.export.tensors import export_quantized_weight_tensors
 from llmq.quant import fp
-from llmq.quant.chunked import RowBlocks
+from llmq.quant.chunked import SECOND_PASS_KEPT_BLOCKS, RowBlocks
 
 _SIBLINGS = {
     "q_proj": ("qkv", ("q_proj", "k_proj", "v_proj")),
@@ -107,9 +107,12 @@ class _Exporter:
             return None
         return make_spec(module, config, style=self.style, static_input_scale=module in self.input_amax)
 
-    def state_for(self, weight: torch.Tensor, spec: WeightExportSpec) -> ExportState:
+    def state_for(self, weight: torch.Tensor, spec: WeightExportSpec, next_emitted: bool = True) -> ExportState:
+        """next_emitted: the weight is emitted right after (its last row blocks are kept from the
+        amax pass for it)."""
         if isinstance(weight, RowBlocks):  # the amax over the blocks (exact: a max of maxima)
-            amax = weight.abs_max() if needs_tensor_amax(spec) else None
+            keep = SECOND_PASS_KEPT_BLOCKS if next_emitted else 0
+            amax = weight.abs_max(keep) if needs_tensor_amax(spec) else None
             probe = torch.zeros((1, weight.shape[-1]), dtype=weight.dtype)
             return dataclasses.replace(compute_export_state(probe, spec, self.input_amax.get(spec.module)),
                                        weight_amax=amax)
@@ -201,9 +204,11 @@ class _Exporter:
         for leaf, (_, spec) in group.items():
             by_format.setdefault((spec.format, spec.granularity), []).append(leaf)
         for leaves in by_format.values():
-            states = {leaf: self.state_for(*group[leaf]) for leaf in leaves}
-            merged = merge_export_states(list(states.values()))
-            for leaf in sorted(leaves):
+            # The first emitted is measured last, so its last row blocks are the ones kept.
+            order = sorted(leaves)
+            states = {leaf: self.state_for(*group[leaf], next_emitted=leaf == order[0]) for leaf in reversed(order)}
+            merged = merge_export_states([states[leaf] for leaf in order])
+            for leaf in order:
                 weight, spec = group[leaf]
                 self.emit(spec, weight, merged)
 

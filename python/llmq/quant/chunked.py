@@ -32,6 +32,10 @@ from llmq.quant.formats.base import RowQuantizer
 
 Parts = Dict[str, torch.Tensor]
 
+# Blocks a per-tensor scale's amax pass keeps for the quantizing pass that follows it
+# (RowBlocks.abs_max(keep_blocks=)): a tensor of up to this many blocks is read once.
+SECOND_PASS_KEPT_BLOCKS = 2
+
 
 class RowBlocks:
     """A dense tensor read block of rows by block of rows (rows: the first dimension).
@@ -46,6 +50,7 @@ class RowBlocks:
         self.shape = torch.Size(shape)
         self.dtype = dtype
         self.block_rows = max(1, int(block_rows))
+        self._kept: Dict[Tuple[int, int], torch.Tensor] = {}  # see abs_max(keep_blocks=)
 
     # -- what a writer asks -------------------------------------------------------------------------
     def dim(self) -> int:
@@ -82,25 +87,45 @@ class RowBlocks:
 
     def blocks(self, multiple: int = 1, *, check: bool = True) -> Iterator[Tuple[int, torch.Tensor]]:
         """(first row, block) for blocks of at most `block_rows` rows (a multiple of `multiple`
-        except the last). check=False skips the reader's NaN/Inf check (a second pass)."""
+        except the last). check=False skips the reader's NaN/Inf check (a second pass). Blocks
+        the last `abs_max(keep_blocks=)` kept are yielded from memory, not read again."""
+        kept = self.take_kept()
         for r0, r1 in self.bounds(multiple):
-            yield r0, self._read(r0, r1, check)
+            block = kept.pop((r0, r1), None)
+            yield r0, block if block is not None else self._read(r0, r1, check)
+            del block
 
-    def abs_max(self) -> torch.Tensor:
+    def abs_max(self, keep_blocks: int = 0) -> torch.Tensor:
         """float32 max |w| over the whole tensor (0-dim), one block at a time: exact, a max of the
         blocks' maxima. The NaN/Inf check is folded into the compiled amax, which is finite
         exactly when every element is: the blocks are read unchecked, and only a tensor with a
-        NaN/Inf (or no compiled kernel) is read again checked, as `blocks()` checks it."""
+        NaN/Inf (or no compiled kernel) is read again checked, as `blocks()` checks it.
+
+        keep_blocks: the last this many blocks read stay in memory for the next `blocks()` call
+        (with the same `multiple`, 1), which yields them instead of reading them again: for a
+        caller that quantizes this tensor right after its amax (a per-tensor scale's second
+        pass), at the cost of that many blocks held in between. They are known finite, as a
+        checked read would find. The next `blocks()` call, or `take_kept()`, releases them."""
         from llmq.quant import _native_fp
 
-        amax = None
-        for _, block in self.blocks(check=False):
+        amax, kept = None, []
+        self._kept = {}
+        for r0, block in self.blocks(check=False):
             m = _native_fp.abs_max(block, False)
-            del block
             if m is None:
+                del kept, block
                 return self._checked_abs_max()
             amax = m if amax is None else torch.maximum(amax, m)
+            if keep_blocks > 0:
+                kept = kept[1 - keep_blocks:] + [(r0, block)] if keep_blocks > 1 else [(r0, block)]
+            del block
+        self._kept = {(r0, r0 + b.shape[0]): b for r0, b in kept}
         return amax
+
+    def take_kept(self) -> Dict[Tuple[int, int], torch.Tensor]:
+        """The blocks abs_max(keep_blocks=) kept, {(first row, end row): block}, handed over once."""
+        kept, self._kept = self._kept, {}
+        return kept
 
     def _checked_abs_max(self) -> torch.Tensor:
         amax = None
@@ -181,7 +206,7 @@ class QuantizedRowBlocks:
 
     def row_parts(self) -> Iterator[Tuple[int, int, Parts]]:
         multiple = self.plan.row_multiple
-        amax = self.source.abs_max() if self.plan.needs_amax else None
+        amax = self.source.abs_max(SECOND_PASS_KEPT_BLOCKS) if self.plan.needs_amax else None
         for r0, block in self.source.blocks(multiple, check=amax is None):
             try:
                 q = self.plan.quantize(block, amax)
