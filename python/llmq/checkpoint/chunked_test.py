@@ -295,17 +295,19 @@ def test_siblings_sharing_an_amax_are_not_read_whole(tmp_path, monkeypatch):
 
 
 def _count_reads(monkeypatch):
-    """{tensor name: bytes read from its file} for reads from here on."""
-    from llmq.checkpoint import safetensors_io
+    """{tensor name: bytes read (or mapped) from its file} for reads from here on."""
+    from llmq.checkpoint.safetensors_io import SafetensorsFile
 
     read = {}
-    real = safetensors_io.pread_exact
+    real_read, real_rows = SafetensorsFile.read, SafetensorsFile.read_rows
 
-    def counting(fd, buf, offset, *, path, tensor):
-        read[tensor] = read.get(tensor, 0) + len(buf)
-        return real(fd, buf, offset, path=path, tensor=tensor)
+    def count(name, t):
+        read[name] = read.get(name, 0) + t.numel() * t.element_size()
+        return t
 
-    monkeypatch.setattr(safetensors_io, "pread_exact", counting)
+    monkeypatch.setattr(SafetensorsFile, "read", lambda self, name, **kw: count(name, real_read(self, name, **kw)))
+    monkeypatch.setattr(SafetensorsFile, "read_rows",
+                        lambda self, name, r0, r1, **kw: count(name, real_rows(self, name, r0, r1, **kw)))
     return read
 
 
