@@ -295,19 +295,17 @@ def test_siblings_sharing_an_amax_are_not_read_whole(tmp_path, monkeypatch):
 
 
 def _count_reads(monkeypatch):
-    """{tensor name: bytes read (or mapped) from its file} for reads from here on."""
-    from llmq.checkpoint.safetensors_io import SafetensorsFile
+    """{tensor name: bytes read from its file} for reads from here on."""
+    from llmq.checkpoint import safetensors_io
 
     read = {}
-    real_read, real_rows = SafetensorsFile.read, SafetensorsFile.read_rows
+    real = safetensors_io.pread_exact
 
-    def count(name, t):
-        read[name] = read.get(name, 0) + t.numel() * t.element_size()
-        return t
+    def counting(fd, buf, offset, *, path, tensor):
+        read[tensor] = read.get(tensor, 0) + len(buf)
+        return real(fd, buf, offset, path=path, tensor=tensor)
 
-    monkeypatch.setattr(SafetensorsFile, "read", lambda self, name, **kw: count(name, real_read(self, name, **kw)))
-    monkeypatch.setattr(SafetensorsFile, "read_rows",
-                        lambda self, name, r0, r1, **kw: count(name, real_rows(self, name, r0, r1, **kw)))
+    monkeypatch.setattr(safetensors_io, "pread_exact", counting)
     return read
 
 

@@ -111,8 +111,8 @@ def _cast(value: Value, dtype: Optional[torch.dtype]) -> Value:
 class _CheckpointRows(RowBlocks):
     """One tensor of a checkpoint yielded as blocks of rows (``iter_checkpoint(chunk_bytes=)``).
 
-    Each block is read (mapped from the file, `safetensors_io.map_bytes`) when asked for,
-    NaN/Inf-checked and cast as the whole tensor would be, so the bytes are the whole tensor's. The NaN/Inf error names the whole
+    Each block is read into fresh memory when asked for, NaN/Inf-checked and cast as the whole
+    tensor would be, so the bytes are the whole tensor's. The NaN/Inf error names the whole
     tensor's counts: at the first block holding one, the rest is counted before raising, and
     nothing of that block is yielded; under "warn" the warning comes after the last block.
     Readable while referenced: when the iterator that yielded it ends, its files stay open

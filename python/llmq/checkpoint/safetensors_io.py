@@ -9,9 +9,7 @@ enforces), and each tensor is then read with positioned reads (``os.preadv``; on
 or for 16 MiB and more one per torch thread in parallel while cores are idle) straight from the page cache
 into a freshly allocated tensor. That is the same
 data path as copying out of an ``mmap`` without leaving the mapped pages resident
-in the process, so memory stays bounded by the tensor being read. Row blocks
-(``read_rows``) are mapped instead (``map_bytes``): copy-on-write views of the file
-that cost no copy, unmapped when freed.
+in the process, so memory stays bounded by the tensor being read.
 
 File layout (https://github.com/huggingface/safetensors, format section):
 ``u64 little-endian N | N bytes of UTF-8 JSON | data``; the JSON maps each tensor
@@ -270,11 +268,11 @@ class ReadBuffers:
     tensor's storage holds the mapping object until its last view is freed, so the object's
     reference count says whether it is free. Buffers of at least 4 MiB only, at most
     ``max_bytes`` of them kept (a read that finds none free and no room gets a mapping of its
-    own, freed with it); ``clear()`` forgets them all. They hold whole tensors (row blocks
-    are mapped, ``map_bytes``); the default, 40 MiB, covers what a stream holds at once (the
-    NVFP4 export keeps q/k/v, 8 MiB each, until the group is complete while the next tensor is
-    read ahead). 24 MiB measured the same speed and peak RSS on the 1 GB benchmark checkpoint
-    with 16 MiB row blocks (INT4, FP8, NVFP4; 6 runs each).
+    own, freed with it); ``clear()`` forgets them all. The default, 40 MiB, serves nearly
+    every read of the NVFP4 and FP8 exports with 16 MiB row blocks (NVFP4 holds q/k/v, 8 MiB
+    each, until the group is complete), and all but the pass-through blocks the INT4 stream's
+    write queue holds; each idle buffer adds to peak memory (1 GB INT4 stream: +15 MB peak RSS
+    with 32 MiB, +35 MB with 48 MiB).
     """
 
     def __init__(self, max_bytes: int = 40 << 20):
@@ -383,32 +381,6 @@ def pread_exact(fd: int, buf: memoryview, offset: int, *, path: str, tensor: str
         raise error
 
 
-def map_bytes(fd: int, offset: int, nbytes: int, *, path: str, tensor: str) -> Optional[torch.Tensor]:
-    """uint8 tensor of the file's bytes [offset, offset + nbytes), mapped private and writable
-    (copy-on-write: writing to it changes neither the file nor other readers), unmapped when
-    the tensor is freed; None where the file cannot be mapped (the caller reads it instead).
-
-    A mapping costs no copy: the pages are the page cache's until written (measured: NVFP4
-    export of 1 GB from tmpfs 12% faster, 17% less CPU, than reading the row blocks into
-    reused buffers). A file shorter than the range (truncated after its header was read) is
-    the reader's error, raised before mapping; a file truncated while its mapping is being
-    read ends the process with SIGBUS, as any mapped reader (torch, safetensors) does."""
-    size = os.fstat(fd).st_size
-    if offset + nbytes > size:
-        raise CorruptCheckpointError(
-            f"file ended after {max(0, size - offset)} of {nbytes} bytes (truncated while reading?)",
-            path=path, tensor=tensor)
-    if nbytes == 0:
-        return torch.empty(0, dtype=torch.uint8)
-    base = offset - offset % mmap.ALLOCATIONGRANULARITY
-    try:
-        mapping = mmap.mmap(fd, nbytes + offset - base, flags=mmap.MAP_PRIVATE,
-                            prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=base)
-    except (OSError, ValueError, AttributeError):
-        return None
-    return torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes, offset=offset - base)
-
-
 class OpenReadOnly:
     """Owns ``self._fd``, a read-only descriptor of ``self.path`` (what ``pread_exact`` reads):
     a context manager that closes it at exit, on ``close()`` or when collected."""
@@ -467,18 +439,15 @@ class SafetensorsFile(OpenReadOnly):
         return raw.view(e.dtype).reshape(e.shape)
 
     def read_rows(self, name: str, r0: int, r1: int, *, buffers: Optional[ReadBuffers] = None) -> torch.Tensor:
-        """Rows r0:r1 (along the first dimension) of a tensor of at least one dimension, mapped
-        from the file (`map_bytes`), or where it cannot be mapped read into memory as read()."""
+        """Rows r0:r1 (along the first dimension) of a tensor of at least one dimension; memory as read()."""
         e = self.header.entries[name]
         if self._fd is None:
             raise CheckpointNotFoundError("file already closed", path=self.path, tensor=name)
         row_bytes = e.nbytes // e.shape[0]
-        nbytes, offset = (r1 - r0) * row_bytes, e.start + r0 * row_bytes
-        raw = map_bytes(self._fd, offset, nbytes, path=self.path, tensor=name)
-        if raw is None:
-            raw = buffers.take(nbytes) if buffers is not None else alloc_bytes(nbytes)
-            if len(raw):
-                pread_exact(self._fd, memoryview(raw.numpy()), offset, path=self.path, tensor=name)
+        nbytes = (r1 - r0) * row_bytes
+        raw = buffers.take(nbytes) if buffers is not None else alloc_bytes(nbytes)
+        if len(raw):
+            pread_exact(self._fd, memoryview(raw.numpy()), e.start + r0 * row_bytes, path=self.path, tensor=name)
         return raw.view(e.dtype).reshape((r1 - r0,) + tuple(e.shape[1:]))
 
     def __iter__(self) -> Iterator[Tuple[str, torch.Tensor]]:
