@@ -188,7 +188,7 @@ class _Exporter:
         parent, _, leaf = module.rpartition(".")
         if leaf in _SIBLINGS and needs_tensor_amax(spec):
             # Held until its siblings arrive (or the stream ends). Row blocks stay row blocks, read
-            # twice at the flush (the group's amax, then quantized), rather than held whole.
+            # at the flush for the group's amax, then to quantize (flush_group), not held whole.
             kind, members = _SIBLINGS[leaf]
             group = self.pending.setdefault((parent, kind), {})
             group[leaf] = (tensor, spec)
