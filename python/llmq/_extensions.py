@@ -14,8 +14,12 @@ import importlib.machinery
 import importlib.util
 import os
 import sys
+import threading
 from types import ModuleType
-from typing import List, Tuple
+from typing import Dict, List, Tuple
+
+_load_lock = threading.Lock()
+_loaded: Dict[Tuple[str, str], ModuleType] = {}  # (module name, real path) -> the module
 
 
 def candidate_dirs(subdir: str) -> List[str]:
@@ -36,15 +40,27 @@ def find_extension(subdir: str, module_name: str) -> List[str]:
 
 
 def load_first(module_name: str, paths: List[str]) -> Tuple[ModuleType | None, List[str]]:
-    """Import the first of `paths` that loads; returns (module or None, one problem per failure)."""
+    """Import the first of `paths` that loads; returns (module or None, one problem per failure).
+
+    One load at a time, and a path loaded before gives the same module object: the first use
+    of a kernel can come from two threads at once (a reader's read-ahead thread and the
+    consumer), and two initialisations of one extension must not overlap (the likely cause of
+    "module '_quant_kernel' has no attribute 'count_nonfinite'", seen twice in about twenty 4 GB
+    NVFP4 exports from tmpfs, never since the lock)."""
     problems = []
-    for path in paths:
-        try:
-            loader = importlib.machinery.ExtensionFileLoader(module_name, path)
-            spec = importlib.util.spec_from_file_location(module_name, path, loader=loader)
-            module = importlib.util.module_from_spec(spec)
-            loader.exec_module(module)
+    with _load_lock:
+        for path in paths:
+            key = (module_name, os.path.realpath(path))
+            if key in _loaded:
+                return _loaded[key], problems
+            try:
+                loader = importlib.machinery.ExtensionFileLoader(module_name, path)
+                spec = importlib.util.spec_from_file_location(module_name, path, loader=loader)
+                module = importlib.util.module_from_spec(spec)
+                loader.exec_module(module)
+            except ImportError as e:  # wrong Python ABI, missing symbols, ...
+                problems.append(f"{path}: {e}")
+                continue
+            _loaded[key] = module
             return module, problems
-        except ImportError as e:  # wrong Python ABI, missing symbols, ...
-            problems.append(f"{path}: {e}")
     return None, problems

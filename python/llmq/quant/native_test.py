@@ -235,3 +235,46 @@ def test_bad_arguments_are_rejected_by_the_kernel():
         _native.quantize_rows(w, 4, 16, True, isa="neon")
     with pytest.raises(ValueError):
         _native.set_num_threads(-1)
+
+
+_CONCURRENT_FIRST_LOAD = """
+import importlib.util, threading, time
+real, inside, most = importlib.util.module_from_spec, [0], [0]
+def counted(spec):  # how many threads initialise an extension at once; the sleep widens the window
+    inside[0] += 1
+    most[0] = max(most[0], inside[0])
+    time.sleep(0.05)
+    try:
+        return real(spec)
+    finally:
+        inside[0] -= 1
+importlib.util.module_from_spec = counted
+from llmq.quant import _native
+barrier, got = threading.Barrier(6), []
+def first_use():
+    barrier.wait()
+    got.append(_native._load())
+threads = [threading.Thread(target=first_use) for _ in range(6)]
+[t.start() for t in threads]
+[t.join() for t in threads]
+assert got[0] is not None, _native.native_kernel_error()
+assert most[0] == 1, f"{most[0]} threads initialised the kernel at once"
+assert all(m is got[0] for m in got), "the kernel was loaded more than once"
+assert all(hasattr(m, "count_nonfinite") and hasattr(m, "quantize_nvfp4") for m in got)
+print("one module")
+"""
+
+
+def test_first_uses_from_several_threads_load_the_kernel_once():
+    """The reader's read-ahead thread and the consumer can reach for the kernel at the same
+    moment: in a fresh interpreter, six threads asking at once initialise it one at a time and
+    all get the one complete module."""
+    import os
+    import subprocess
+    import sys
+
+    _require_kernel()
+    env = dict(os.environ, LLMQ_QUANT_KERNEL=_native._module.__file__, PYTHONPATH=os.pathsep.join(sys.path))
+    proc = subprocess.run([sys.executable, "-c", _CONCURRENT_FIRST_LOAD], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert proc.returncode == 0 and "one module" in proc.stdout, proc.stderr[-2000:]
