@@ -111,10 +111,17 @@ class QuantConfig:
         return cls(**dict(d))
 
     def describe(self) -> str:
-        """Short human-readable form, e.g. 'int4 g32 sym'."""
+        """Short human-readable form: 'int4 g32 sym', 'int8 grow asym' (one group a row); an FP
+        format by its name, which carries the element size: 'nvfp4 g16', 'fp8 per channel'."""
+        method = "" if self.method == "minmax" else f" {self.method}"
+        if self.format != INT_FORMAT:
+            if self.format == "fp8":  # group_size 0 / None or -1 / 128, as the fp8 format reads it
+                granularity = {0: "per tensor", None: "per channel", -1: "per channel", 128: "128x128"}
+                return f"fp8 {granularity.get(self.group_size, f'g{self.group_size}')}" + method
+            return f"{self.format} g{self.group_size}" + method
         group = "row" if self.group_size is None else str(self.group_size)
         kind = "sym" if self.symmetric else "asym"
-        return f"{self.format}{self.bits} g{group} {kind}" + ("" if self.method == "minmax" else f" {self.method}")
+        return f"{self.format}{self.bits} g{group} {kind}" + method
 
 
 def layer_index(fqn: str) -> Optional[int]:

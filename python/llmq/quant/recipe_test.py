@@ -51,6 +51,21 @@ def test_config_validation(kwargs, match):
         QuantConfig(**kwargs)
 
 
+@pytest.mark.parametrize("config,text", [
+    (QuantConfig(bits=4, group_size=32), "int4 g32 sym"),
+    (QuantConfig(bits=8, group_size=None, symmetric=False), "int8 grow asym"),
+    (QuantConfig(format="nvfp4", bits=4, group_size=16), "nvfp4 g16"),
+    (QuantConfig(format="mxfp4", bits=4, group_size=32), "mxfp4 g32"),
+    (QuantConfig(format="mxfp8", bits=8, group_size=32), "mxfp8 g32"),
+    (QuantConfig(format="fp8", bits=8, group_size=None), "fp8 per channel"),
+    (QuantConfig(format="fp8", bits=8, group_size=0), "fp8 per tensor"),
+    (QuantConfig(format="fp8", bits=8, group_size=128), "fp8 128x128"),
+])
+def test_describe_names_each_format_once(config, text):
+    """An FP format's name already carries its element size ('fp8', not 'fp88 grow sym')."""
+    assert config.describe() == text
+
+
 def test_config_dict_round_trip_and_unknown_field():
     c = QuantConfig(bits=6, group_size=None, symmetric=False)
     assert QuantConfig.from_dict(json.loads(json.dumps(c.to_dict()))) == c
