@@ -335,6 +335,18 @@ def test_amax_pass_keeps_its_last_blocks_for_the_next_pass(tmp_path, monkeypatch
     rows.abs_max(keep_blocks=1)
     assert torch.equal(torch.cat([b for _, b in rows.blocks()]), whole) and reads == [0, 100, 200, 300, 0, 100, 200]
 
+    import weakref  # kept blocks of other bounds are not held while the other pass runs
+
+    made = []
+    monkeypatch.setattr(TensorRowBlocks, "_read",
+                        lambda self, r0, r1, check: made.append(self.tensor[r0:r1].clone()) or made[-1])
+    rows.abs_max(keep_blocks=2)
+    kept_refs = [weakref.ref(b) for b in made[-2:]]
+    made.clear()
+    other_pass = rows.blocks(8)
+    next(other_pass)
+    assert all(r() is None for r in kept_refs)
+
 
 def test_nvfp4_export_reads_a_two_block_weight_once_where_it_is_quantized_next(tmp_path, monkeypatch):
     """A weight needing a tensor amax is quantized right after its amax pass from the blocks that

@@ -134,7 +134,7 @@ class _CheckpointRows(RowBlocks):
     def blocks(self, multiple: int = 1, *, check: bool = True):
         policy = self._nonfinite if check else "allow"
         bounds = list(self.bounds(multiple))
-        kept = self.take_kept()  # abs_max found them finite and cast them already
+        kept = self.take_kept(bounds)  # abs_max found them finite and cast them already
         n_nan = n_inf = 0
         for i, (r0, r1) in enumerate(bounds):
             block = kept.pop((r0, r1), None)

@@ -89,8 +89,9 @@ class RowBlocks:
         """(first row, block) for blocks of at most `block_rows` rows (a multiple of `multiple`
         except the last). check=False skips the reader's NaN/Inf check (a second pass). Blocks
         the last `abs_max(keep_blocks=)` kept are yielded from memory, not read again."""
-        kept = self.take_kept()
-        for r0, r1 in self.bounds(multiple):
+        bounds = list(self.bounds(multiple))
+        kept = self.take_kept(bounds)
+        for r0, r1 in bounds:
             block = kept.pop((r0, r1), None)
             yield r0, block if block is not None else self._read(r0, r1, check)
             del block
@@ -105,7 +106,7 @@ class RowBlocks:
         (with the same `multiple`, 1), which yields them instead of reading them again: for a
         caller that quantizes this tensor right after its amax (a per-tensor scale's second
         pass), at the cost of that many blocks held in between. They are known finite, as a
-        checked read would find. The next `blocks()` call, or `take_kept()`, releases them."""
+        checked read would find. The next `blocks()` call releases them."""
         from llmq.quant import _native_fp
 
         amax, kept = None, []
@@ -117,15 +118,17 @@ class RowBlocks:
                 return self._checked_abs_max()
             amax = m if amax is None else torch.maximum(amax, m)
             if keep_blocks > 0:
-                kept = kept[1 - keep_blocks:] + [(r0, block)] if keep_blocks > 1 else [(r0, block)]
+                kept.append((r0, block))
+                del kept[:-keep_blocks]
             del block
         self._kept = {(r0, r0 + b.shape[0]): b for r0, b in kept}
         return amax
 
-    def take_kept(self) -> Dict[Tuple[int, int], torch.Tensor]:
-        """The blocks abs_max(keep_blocks=) kept, {(first row, end row): block}, handed over once."""
+    def take_kept(self, bounds: List[Tuple[int, int]]) -> Dict[Tuple[int, int], torch.Tensor]:
+        """The blocks abs_max(keep_blocks=) kept whose (first row, end row) are among `bounds`,
+        handed over once: every kept block is released from here (for a subclass's blocks())."""
         kept, self._kept = self._kept, {}
-        return kept
+        return {b: kept[b] for b in bounds if b in kept}
 
     def _checked_abs_max(self) -> torch.Tensor:
         amax = None
