@@ -29,14 +29,11 @@ Written incrementally and crash-safely (format: docs/checkpoint.md):
 from __future__ import annotations
 
 import dataclasses
-import errno
-import fcntl
 import hashlib
 import json
 import mmap
 import os
 import re
-import shutil
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import blake3
@@ -46,14 +43,14 @@ from llmq.checkpoint.errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
-    OutputBusyError,
     ResumeMismatchError,
     TensorMismatchError,
 )
-from llmq.checkpoint.fileio import copy_file, fsync_path, remove_partial, write_all, write_error, write_file_atomic
+from llmq.checkpoint.fileio import copy_file, remove_partial, write_all, write_error, write_file_atomic
 from llmq.checkpoint.ordered_worker import OrderedWorker
 from llmq.checkpoint.safetensors_io import DTYPE_NAMES
 from llmq.checkpoint.shard_file import ShardLayout, ShardRotation, block_writes, placeholder
+from llmq.checkpoint.workfolder import JOURNAL, PARTIAL_SUFFIX, REPLACED_SUFFIX, WorkFolder
 from llmq.quant.chunked import QuantizedRowBlocks, RowBlocks, is_row_blocks
 from llmq.quant.formats import Format, format_of, format_names, get_format
 
@@ -71,9 +68,6 @@ CHECKSUM_KEY = {1: "sha256", 2: "blake3", 3: "blake3"}
 _JOURNAL_VERSION = 2  # resume journals (private to one writer) kept at their version-2 layout
 MANIFEST = "llmq_manifest.json"
 INDEX = "model.safetensors.index.json"
-JOURNAL = "journal.json"
-PARTIAL_SUFFIX = ".partial"
-REPLACED_SUFFIX = ".llmq-replaced"  # overwrite=True moves the old output here, then deletes it
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024 ** 3
 # What a bundle needs besides its weights to be used without the source folder; save_bundle's
 # extra_files copies them in (source_files lists those a Hugging Face folder has).
@@ -135,16 +129,6 @@ def _library_versions() -> Dict[str, str]:
     import llmq
 
     return {"llmq": getattr(llmq, "__version__", "unknown"), "torch": torch.__version__.split("+")[0]}
-
-
-def _fsync_file(path: str) -> None:
-    try:
-        fsync_path(path)
-    except OSError as e:
-        raise write_error(e, path, "fsync") from None
-
-
-_fsync_dir = _fsync_file
 
 
 def _write_atomic(path: str, data: bytes, *, fsync: bool) -> None:
@@ -281,7 +265,7 @@ class _ShardBuilder:
     def _open(self) -> int:
         if self._fd is None:
             try:
-                self._fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+                self._fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666)  # the umask decides
             except OSError as e:
                 raise write_error(e, self.tmp, "creating the shard") from None
         return self._fd
@@ -334,14 +318,6 @@ class _ShardBuilder:
         remove_partial(fd, self.tmp)
 
 
-def _checked(fn: Callable[..., Any], path: str, *args: Any, what: str, **kwargs: Any) -> Any:
-    """fn(path, *args, **kwargs); an OSError becomes one OutputWriteError line naming ``path``."""
-    try:
-        return fn(path, *args, **kwargs)
-    except OSError as e:
-        raise write_error(e, path, what) from None
-
-
 def _discard_on_error(shard: _ShardBuilder, fn: Callable[..., Any], *args: Any) -> Any:
     """Run a writer-thread step; if it fails, close and delete the shard's temporary file."""
     try:
@@ -384,11 +360,10 @@ class BundleWriter:
             raise ValueError(f"write_queue_bytes must be >= 0, got {write_queue_bytes}")
         self.out_dir = os.path.abspath(os.fspath(out_dir))
         self.partial = self.out_dir + PARTIAL_SUFFIX
+        self.work: Optional[WorkFolder] = None
         self.fsync = fsync
         self.overwrite = overwrite
         self.extra_files = _check_extra_files(extra_files)
-        if os.path.exists(self.out_dir) and not overwrite:
-            raise CheckpointError("output already exists; pass overwrite=True to replace it", path=self.out_dir)
         # Round-tripped through canonical JSON so a resumed run's records match a fresh run's byte for byte.
         self.settings = _normalised({"max_shard_bytes": self.rotation.max_shard_bytes, "recipe": _recipe_to_json(recipe),
                                      "metadata": dict(metadata or {})})
@@ -396,11 +371,9 @@ class BundleWriter:
         self._replay: List[Tuple[str, Dict[str, Any]]] = []
         self._pos = 0
         self._names: Dict[str, str] = {}  # entry name -> fqn, to refuse collisions
-        _checked(os.makedirs, os.path.dirname(self.out_dir) or ".", exist_ok=True, what="creating the folder")
-        self._lock_fd = self._lock()
+        # <out>.partial, locked until close/abort; its journal is the interrupted run's, if any
+        self.work = WorkFolder(self.out_dir, writer="bundle", overwrite=overwrite, fsync=fsync)
         try:
-            if os.path.exists(self.out_dir) and not overwrite:  # published while we waited for the lock
-                raise CheckpointError("output already exists; pass overwrite=True to replace it", path=self.out_dir)
             self._recover(resume)
             self._journal()
         except BaseException:
@@ -414,66 +387,26 @@ class BundleWriter:
         self._syncer = OrderedWorker("llmq-bundle-fsync", float("inf")) if fsync else None
         self._stopped = False
 
-    # -- the lock and resume ---------------------------------------------------------------------------
-    def _lock(self) -> int:
-        """Create (or reuse) ``<out>.partial`` and hold an exclusive flock on it until close/abort.
-
-        The lock is on the folder itself, so nothing extra is written; the holder's pid is in
-        its journal. A second run into the same output is refused without touching anything."""
-        _checked(os.makedirs, self.partial, exist_ok=True, what="creating the folder")
-        fd = _checked(os.open, self.partial, os.O_RDONLY | os.O_DIRECTORY, what="opening the folder")
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            same = os.path.isdir(self.partial) and os.stat(self.partial).st_ino == os.fstat(fd).st_ino
-        except OSError as e:
-            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
-                os.close(fd)
-                raise write_error(e, self.partial, "locking") from None
-            same = False
-        if not same:  # held by another run, or that run published it while we looked
-            os.close(fd)
-            raise OutputBusyError(f"another llmq run is writing there ({self._holder()})", path=self.out_dir)
-        return fd
-
-    def _holder(self) -> str:
-        try:
-            with open(os.path.join(self.partial, JOURNAL), "rb") as f:
-                pid = json.loads(f.read()).get("pid")
-        except (OSError, ValueError, AttributeError):
-            pid = None
-        return f"pid {pid}" if isinstance(pid, int) else "pid not recorded yet"
-
+    # -- resume --------------------------------------------------------------------------------------------
     def _unlock(self) -> None:
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)  # releases the flock
-            self._lock_fd = None
+        self.work.release()
 
     def _recover(self, resume: bool) -> None:
-        """Keep what an interrupted run left (finished shards named in its journal), or start over;
-        a folder without llmq's journal but with files in it is somebody else's: refused."""
-        journal_path = os.path.join(self.partial, JOURNAL)
-        journal = None
-        if os.path.isfile(journal_path):
-            try:
-                with open(journal_path, "rb") as f:
-                    journal = json.loads(f.read())
-            except (OSError, ValueError):
-                journal = None
-        ours = isinstance(journal, dict) and isinstance(journal.get("shards"), list) and "settings" in journal
-        if not ours:
-            foreign = sorted(n for n in os.listdir(self.partial) if n != JOURNAL + ".tmp")
-            if foreign:
-                raise CheckpointError(
-                    f"exists without an llmq journal (holds {foreign[0]!r}{' ...' if len(foreign) > 1 else ''}), "
-                    "so it is not an interrupted llmq run; move it away or delete it", path=self.partial)
-        if not ours or not resume or journal.get("format_version") != _JOURNAL_VERSION:
-            self._clear(set())
+        """Keep what an interrupted run left (finished shards named in its journal), or start over.
+        (A folder without llmq's journal but with files in it is refused by WorkFolder.)"""
+        journal = self.work.journal
+        if self.work.other_writer is not None and resume:
+            raise ResumeMismatchError(
+                f"an interrupted run of another writer ({self.work.other_writer}) left this folder; "
+                "delete it or pass resume=False", path=self.partial)
+        if journal is None or not resume or journal.get("format_version") != _JOURNAL_VERSION:
+            self.work.clear()
             return
         if journal.get("settings") != self.settings:
             raise ResumeMismatchError(
                 "an interrupted run with a different recipe, metadata or shard size left this folder; "
                 "delete it or pass resume=False", path=self.partial)
-        keep = {JOURNAL}
+        keep = set()
         for shard in journal["shards"]:
             try:
                 full = os.path.join(self.partial, os.path.basename(shard["file"]))
@@ -489,20 +422,11 @@ class BundleWriter:
                 self._replay.append((fqn, record))
                 for entry in record["entries"].values():
                     self._names[entry] = fqn
-        self._clear(keep)
-
-    def _clear(self, keep: set) -> None:
-        """Delete everything in the (locked, llmq-owned) partial folder but ``keep``."""
-        for name in os.listdir(self.partial):
-            if name not in keep:
-                full = os.path.join(self.partial, name)
-                _checked(shutil.rmtree if os.path.isdir(full) and not os.path.islink(full) else os.unlink, full,
-                         what="removing")
+        self.work.clear(keep)
 
     def _journal(self) -> None:
-        data = {"format_version": _JOURNAL_VERSION, "settings": self.settings, "shards": self.shards,
-                "pid": os.getpid()}
-        _write_atomic(os.path.join(self.partial, JOURNAL), _canonical_json(data), fsync=self.fsync)
+        self.work.write_journal({"format_version": _JOURNAL_VERSION, "settings": self.settings,
+                                 "shards": self.shards})
 
     def completed(self) -> List[str]:
         """fqns already on disk from an interrupted run (the producer may skip computing them)."""
@@ -652,31 +576,9 @@ class BundleWriter:
         _write_atomic(os.path.join(self.partial, INDEX), json.dumps(index, indent=1).encode(), fsync=self.fsync)
         _write_atomic(os.path.join(self.partial, MANIFEST), json.dumps(manifest, indent=1).encode(),
                       fsync=self.fsync)
-        # The journal stays until the folder is in place: a kill anywhere before the rename
-        # leaves a partial folder that resumes with every shard kept.
-        if self.fsync:  # everything durable before the folder can look complete
-            for shard in self.shards[:self._resumed]:  # the fsync thread did this run's shards
-                _fsync_file(os.path.join(self.partial, shard["file"]))
-            _fsync_dir(self.partial)
-        old = self.out_dir + REPLACED_SUFFIX  # only ever made here: a leftover is an interrupted swap's
-        if os.path.exists(self.out_dir):
-            if not self.overwrite:
-                raise CheckpointError("output already exists; pass overwrite=True to replace it", path=self.out_dir)
-            if os.path.exists(old):
-                _checked(shutil.rmtree, old, what="removing")
-            _checked(os.rename, self.out_dir, old, what="moving the old output aside")
-        _checked(os.rename, self.partial, self.out_dir, what="renaming into place")
-        if self.fsync:
-            _fsync_dir(os.path.dirname(self.out_dir))
-        # A kill from here on leaves a complete bundle; at worst it still holds journal.json, which
-        # no reader looks at.
-        _checked(os.unlink, os.path.join(self.out_dir, JOURNAL), what="removing the journal")
-        if self.fsync:
-            _fsync_dir(self.out_dir)
-        self._unlock()
-        if os.path.exists(old):
-            _checked(shutil.rmtree, old, what="removing the replaced output")
-        return self.out_dir
+        # The shards this run wrote were fsynced on the fsync thread; publish fsyncs the rest (the
+        # resumed shards, index, manifest, extra files), moves the journal out and renames the folder.
+        return self.work.publish(synced=[shard["file"] for shard in self.shards[self._resumed:]])
 
     def abort(self) -> None:
         """Stop: queued writes and shard closes still finish (so a resume can keep them) unless
