@@ -97,6 +97,17 @@ def checkpoints(tmp_path_factory):
             tensors["model.norm.weight"][3] = float("nan")
 
     variant("nan_weights", change_tensors=poison)
+
+    def linked(name, file, target):  # a side file that is a link out of the checkpoint folder
+        variant(name)
+        if os.path.lexists(os.path.join(made[name], file)):
+            os.unlink(os.path.join(made[name], file))
+        os.symlink(target, os.path.join(made[name], file))
+
+    (root / "secret.json").write_text('{"token": "hunter2"}')
+    linked("linked_tokenizer", "tokenizer.json", str(root / "secret.json"))
+    linked("linked_config", "config.json", os.path.join(good, "config.json"))
+    linked("environ_generation_config", "generation_config.json", "/proc/self/environ")
     (root / "bad.json").write_text("{not json")
     (root / "g48.json").write_text(json.dumps({"rules": [{"pattern": ".*experts.*", "config": {
         "bits": 4, "group_size": 48, "symmetric": True}}]}))
@@ -130,6 +141,12 @@ CASES = [
      ["a_file is a file"]),
     ("out is a file", lambda c: [f"--checkpoint={c['good']}", f"--out={c['a_file']}"], ["a_file", "not a folder"]),
     ("missing expert", lambda c: [f"--checkpoint={c['missing_expert']}"], ["missing_expert", "layers.1."]),
+    ("side file linked out", lambda c: [f"--checkpoint={c['linked_tokenizer']}"],
+     ["linked_tokenizer/tokenizer.json", "outside the checkpoint folder"]),
+    ("config linked out", lambda c: [f"--checkpoint={c['linked_config']}"],
+     ["linked_config/config.json", "outside the checkpoint folder"]),
+    ("side file linked to environ", lambda c: [f"--checkpoint={c['environ_generation_config']}"],
+     ["generation_config.json", "/environ, outside the checkpoint folder"]),
 ]
 
 

@@ -15,18 +15,21 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from llmq.checkpoint import CheckpointError, iter_checkpoint, read_gguf_metadata, source_files
+from llmq.checkpoint import (
+    TOKENIZER_FILES,
+    CheckpointError,
+    iter_checkpoint,
+    read_gguf_metadata,
+    side_file,
+    side_files,
+    source_files,
+)
 from models.pipeline import gguf_input
 from models.pipeline.arch import Architecture
 from models.pipeline.default_model import write_default_checkpoint, write_tiny_tokenizer
 from models.pipeline.usage_error import UsageError
 from models.pipeline.streaming import merge_experts_stream
 
-# Files a tokenizer loader may read (mlx-lm, transformers); carried from a real checkpoint when present.
-TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "tokenizer.model",
-    "vocab.json", "merges.txt", "chat_template.json", "chat_template.jinja", "generation_config.json",
-)
 
 
 @dataclasses.dataclass
@@ -62,8 +65,8 @@ def model_tensors(arch: Architecture, folder: str, config, *,
 
 
 def read_hf_config(folder: str) -> Dict:
-    path = os.path.join(folder, "config.json")
-    if not os.path.isfile(path):
+    path = side_file(folder, "config.json")  # a link out of the folder is refused (llmq.checkpoint.side_files)
+    if path is None:
         raise UsageError(f"--checkpoint {folder}: no config.json (expected a Hugging Face checkpoint folder)")
     try:
         with open(path) as f:
@@ -120,8 +123,7 @@ def open_source(arch: Architecture, checkpoint: str, kind: str, others: Sequence
         carried = tuple(source_files(checkpoint))
         size = sum(os.path.getsize(os.path.join(checkpoint, f)) for f in os.listdir(checkpoint)
                    if f.endswith(".safetensors"))
-        tokenizer = tuple(os.path.join(checkpoint, f) for f in TOKENIZER_FILES
-                          if os.path.isfile(os.path.join(checkpoint, f)))
+        tokenizer = tuple(side_files(checkpoint, TOKENIZER_FILES))
         if kind == "embedded" and workdir is not None and getattr(config, "vocab_size", 0) >= 257:
             # A random tiny model has no tokenizer: an offline byte-level one, outside the checkpoint folder
             # (so the bundle carries exactly what the checkpoint holds).

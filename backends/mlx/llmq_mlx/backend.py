@@ -17,22 +17,19 @@ import numpy as np
 import torch
 
 from llmq.backend import BackendError, WriteJob, register_backend
+from llmq.checkpoint import TOKENIZER_FILES, side_files
 from llmq.quant import GroupQuantizedWeight
 from llmq_mlx.mlx_lm_models import naming_for
 
 Value = Union[torch.Tensor, GroupQuantizedWeight]
 
-# Files mlx-lm's tokenizer loader may read; copied through from a real checkpoint when present.
-TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "tokenizer.model",
-    "vocab.json", "merges.txt", "chat_template.json", "chat_template.jinja", "generation_config.json",
-)
 _TOKENIZER_PROPER = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
 def tokenizer_files(folder: str) -> List[str]:
-    """The tokenizer files present in a checkpoint folder (possibly none)."""
-    return [os.path.join(folder, f) for f in TOKENIZER_FILES if os.path.isfile(os.path.join(folder, f))]
+    """The tokenizer files present in a checkpoint folder (possibly none); one that links outside
+    the folder is refused (llmq.checkpoint.side_files)."""
+    return side_files(folder, TOKENIZER_FILES)
 
 
 def has_tokenizer(folder: str) -> bool:

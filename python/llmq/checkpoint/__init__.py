@@ -4,6 +4,7 @@ Public API (see docs/checkpoint.md):
     iter_checkpoint, load_checkpoint, checkpoint_names,   -- readers
     checkpoint_shapes
     save_bundle, load_bundle, iter_bundle, read_manifest -- the quantized output bundle
+    source_files, side_file, side_files, TOKENIZER_FILES -- a checkpoint's side files, checked
     CheckpointError and its subclasses                    -- the only errors readers raise
 """
 
@@ -32,11 +33,13 @@ from llmq.checkpoint.errors import (
 )
 from llmq.checkpoint.gguf_import import read_gguf_metadata
 from llmq.checkpoint.reader import LoadResult, checkpoint_names, checkpoint_shapes, iter_checkpoint, load_checkpoint
+from llmq.checkpoint.side_files import TOKENIZER_FILES, side_file, side_files
 
 __all__ = [
     "BASE_BUNDLE_VERSION",
     "BUNDLE_VERSION",
     "SOURCE_FILES",
+    "TOKENIZER_FILES",
     "BundleVersionError",
     "BundleWriter",
     "CheckpointError",
@@ -60,5 +63,7 @@ __all__ = [
     "read_gguf_metadata",
     "read_manifest",
     "save_bundle",
+    "side_file",
+    "side_files",
     "source_files",
 ]

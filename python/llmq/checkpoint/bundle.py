@@ -50,6 +50,7 @@ from llmq.checkpoint.fileio import copy_file, remove_partial, write_all, write_e
 from llmq.checkpoint.ordered_worker import OrderedWorker
 from llmq.checkpoint.safetensors_io import DTYPE_NAMES
 from llmq.checkpoint.shard_file import ShardLayout, ShardRotation, block_writes, placeholder
+from llmq.checkpoint.side_files import side_files
 from llmq.checkpoint.workfolder import JOURNAL, PARTIAL_SUFFIX, REPLACED_SUFFIX, WorkFolder
 from llmq.quant.chunked import QuantizedRowBlocks, RowBlocks, is_row_blocks
 from llmq.quant.formats import Format, format_of, format_names, get_format
@@ -199,9 +200,9 @@ def _written_version(tensors: Dict[str, Dict[str, Any]]) -> int:
 
 
 def source_files(folder: os.PathLike) -> List[str]:
-    """The SOURCE_FILES a checkpoint folder has (config, tokenizer, generation config), as paths."""
-    folder = os.fspath(folder)
-    return [os.path.join(folder, n) for n in SOURCE_FILES if os.path.isfile(os.path.join(folder, n))]
+    """The SOURCE_FILES a checkpoint folder has (config, tokenizer, generation config), as paths;
+    one that links outside the folder or is not a regular file is refused (llmq.checkpoint.side_files)."""
+    return side_files(folder, SOURCE_FILES)
 
 
 def _check_extra_files(paths: Iterable[os.PathLike]) -> List[str]:

@@ -320,3 +320,23 @@ def _umask():
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+# -- 8. a kill or a failure at every file-system step --------------------------------------------------------
+
+def test_a_kill_or_failure_at_every_step_resumes_byte_identically_and_leaves_nothing(tmp_path):
+    """Every os.write/pwrite/fsync/fdatasync/replace/rename/unlink/rmdir of a run (llmq.checkpoint.
+    crash_points): killed there (a forked child, os._exit), the rerun gives the uninterrupted
+    bundle or, killed after publishing, refuses in one line; failed there, the run raises one line
+    and publishes nothing. Nothing is left next to the output either way."""
+    from llmq.checkpoint.crash_points import check_every_crash_point
+
+    def write(out):
+        save_bundle(stream(n_layers=3), out, max_shard_bytes=SHARD, fsync=True,
+                    extra_files=[tmp_path / "config.json"])
+
+    (tmp_path / "config.json").write_text('{"model_type": "x"}')
+    seen = check_every_crash_point(write, str(tmp_path / "runs"),
+                                   accept_refusal=lambda e: "output already exists" in str(e))
+    assert any(s.endswith(": resumed") for s in seen) and any("refused" in s for s in seen), seen
+    assert any(s.startswith("fail") for s in seen)

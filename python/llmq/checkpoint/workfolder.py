@@ -13,7 +13,8 @@ output in place: a locked work folder, a journal, fsync, one atomic rename (docs
   llmq's: ``start`` says so and the writer starts over.
 * **Publish.** The payload files and the folder are fsynced; the journal is moved out of the
   folder to ``<out>.partial.journal``; the folder (or file) is renamed to ``<out>``; the parent is
-  fsynced; the moved journal is deleted. So a published output never holds the journal. A kill
+  fsynced; the moved journal is deleted. So a published output never holds the journal, and
+  nothing after the rename fails the run (a step that fails there is a warning). A kill
   before the rename leaves a work folder the next run resumes (the moved journal is moved back);
   a kill after it leaves a complete output and at most the small ``<out>.partial.journal``, which
   the next run into that ``<out>`` deletes. An ``<out>`` that did not exist when the run started
@@ -27,6 +28,7 @@ import fcntl
 import json
 import os
 import shutil
+import warnings
 from typing import Any, Callable, Dict, Iterable, Optional, Tuple
 
 from llmq.checkpoint.errors import CheckpointError, OutputBusyError
@@ -232,17 +234,30 @@ class WorkFolder:
             if os.path.lexists(old):
                 checked(shutil.rmtree, old, what="removing")
             checked(os.rename, self.out, old, what="moving the old output aside")
-        checked(os.rename, self.payload(), self.out, what="renaming into place")
-        if self.fsync:
-            fsync_checked(parent)
-        if self.file_name is not None:  # the folder held the file: only a moved journal is left
-            checked(os.rmdir, self.path, what="removing the work folder")
-        if journal and os.path.lexists(moved):  # (a run that found <out> may have tidied it)
-            checked(os.unlink, moved, what="removing the journal")
+        try:
+            checked(os.rename, self.payload(), self.out, what="renaming into place")
+        except BaseException:
+            if now is not None:  # the old output goes back where it was
+                os.rename(old, self.out)
+            raise
         self.release()
+        # The output is in place and complete: nothing after this fails the run (a failure would
+        # report an error next to a finished output); what it could not tidy, the next run does.
+        steps = [(fsync_path, parent, "fsync")] if self.fsync else []
+        if self.file_name is not None:  # the folder held the file: only a moved journal is left
+            steps.append((os.rmdir, self.path, "removing the work folder"))
+        if journal:
+            steps.append((os.unlink, moved, "removing the journal"))
         if os.path.lexists(old):
-            checked(shutil.rmtree if os.path.isdir(old) and not os.path.islink(old) else os.unlink, old,
-                    what="removing the replaced output")
+            steps.append((shutil.rmtree if os.path.isdir(old) and not os.path.islink(old) else os.unlink, old,
+                          "removing the replaced output"))
+        for fn, path, what in steps:
+            try:
+                fn(path)
+            except FileNotFoundError:
+                pass  # a run that found <out> tidied it
+            except OSError as e:
+                warnings.warn(str(write_error(e, path, what)) + " (the output is complete)", stacklevel=2)
         return self.out
 
     def release(self) -> None:
@@ -256,5 +271,8 @@ class WorkFolder:
         try:
             if self._lock_fd is not None and os.path.isdir(self.path):
                 shutil.rmtree(self.path, ignore_errors=True)
+                moved = self.out + MOVED_JOURNAL_SUFFIX
+                if os.path.lexists(moved):
+                    os.unlink(moved)
         finally:
             self.release()
