@@ -263,13 +263,16 @@ class StreamingShardFile(ShardLayout):
         if worker is not None:
             worker.join()
 
-    def close(self) -> None:
-        """Write the header into the gap (after every queued write) and close the file."""
+    def close(self, fsync: bool = False) -> None:
+        """Write the header into the gap (after every queued write), fsync (if asked) and close the
+        file."""
         try:
             self._stop_writer()
             if self._fd is None:
                 self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666)
             write_all(self._fd, self.header(), 0)
+            if fsync:
+                os.fsync(self._fd)
         except OSError as e:
             raise write_error(e, self.path, "writing the shard header") from None
         finally:

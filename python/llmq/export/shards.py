@@ -5,57 +5,94 @@ Tensors are written as they arrive, one at a time, into the open shard's file
 last), so memory holds only the tensor in flight whatever the shard size. A shard is closed
 when the next tensor would pass `max_shard_bytes` (or break natural alignment, or outgrow the
 header gap). Shards get their final Hugging Face names (model-0000i-of-0000N.safetensors, or
-model.safetensors when there is one) and an index.json when the writer closes. A journal
-(progress.json) lists the completed shards, so an interrupted export can resume:
-`ShardWriter.resume` reloads it and `has(name)` tells the caller which tensors need not be
-produced again.
+model.safetensors when there is one) and an index.json when the writer closes; the final names
+are journalled before the first rename, so a run killed while renaming resumes too. A journal
+(the HF writer's WorkFolder journal; progress.json when used alone) lists the completed shards
+with their sizes, so an interrupted export can resume: `ShardWriter.resume` reloads it and
+`has(name)` tells the caller which tensors need not be produced again.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from llmq.checkpoint.fileio import write_file_atomic
+from llmq.checkpoint.errors import ResumeMismatchError
+from llmq.checkpoint.fileio import write_error, write_file_atomic
 from llmq.checkpoint.shard_file import ShardRotation, StreamingShardFile, block_writes, hf_shard_names
 
 
 class ShardWriter:
-    """Collects (name, tensor) pairs into size-limited safetensors shards in `folder`."""
+    """Collects (name, tensor) pairs into size-limited safetensors shards in `folder`.
 
-    def __init__(self, folder: str, max_shard_bytes: int = 5 << 30):
+    record(journal dict): where progress goes (the HF writer: its WorkFolder's journal); by default
+    `progress.json` in the folder. fsync: each shard is fsynced before it is renamed into place."""
+
+    JOURNAL = "progress.json"
+
+    def __init__(self, folder: str, max_shard_bytes: int = 5 << 30, *,
+                 record: Optional[Callable[[Dict[str, Any]], None]] = None, fsync: bool = False):
         self.rotation = ShardRotation(max_shard_bytes)
         self.folder = folder
+        self.fsync = fsync
+        self._record = record
         self._open: Optional[StreamingShardFile] = None
-        self._shards: List[Dict[str, int]] = []  # per shard: name -> nbytes
+        self._shards: List[Dict[str, Any]] = []  # per shard: {"tensors": {name: nbytes}, "bytes": file size}
         self._seen = set()
         self._done = set()  # names in shards completed by an earlier, interrupted run
         self.total_bytes = 0
         self.skipped = 0
 
-    JOURNAL = "progress.json"
-
     @classmethod
-    def resume(cls, folder: str, max_shard_bytes: int) -> "ShardWriter":
-        """A writer that continues the shards journalled in `folder` (fresh if there is none)."""
-        writer = cls(folder, max_shard_bytes)
-        path = os.path.join(folder, cls.JOURNAL)
-        if not os.path.exists(path):
-            return writer
-        with open(path) as f:
-            journal = json.load(f)
+    def resume(cls, folder: str, max_shard_bytes: int, journal: Optional[Dict[str, Any]] = None, *,
+               record: Optional[Callable[[Dict[str, Any]], None]] = None, fsync: bool = False) -> "ShardWriter":
+        """A writer that continues the shards `journal` lists (by default the folder's progress.json;
+        fresh if there is none). Shards are kept up to the first one that is missing or of another
+        size (the rest are redone); shards already given their final names by a run killed while
+        closing are given back their working names. A different shard size is refused."""
+        writer = cls(folder, max_shard_bytes, record=record, fsync=fsync)
+        if journal is None:
+            path = os.path.join(folder, cls.JOURNAL)
+            if not os.path.exists(path):
+                return writer
+            with open(path) as f:
+                journal = json.load(f)
         if journal.get("max_shard_bytes") != writer.rotation.max_shard_bytes:
-            raise ValueError(f"{folder}: the interrupted export used max_shard_bytes={journal.get('max_shard_bytes')}, not {max_shard_bytes}; resume with the same settings or start over")
-        for i, shard in enumerate(journal["shards"]):
-            if not os.path.exists(writer._shard_path(i)):
-                raise ValueError(f"{folder}: journal lists shard {i} but its file is missing; start over")
-            writer._shards.append(dict(shard))
-            writer._done.update(shard)
-            writer.total_bytes += sum(shard.values())
+            raise ResumeMismatchError(
+                f"the interrupted export used max_shard_bytes={journal.get('max_shard_bytes')}, not {max_shard_bytes}; "
+                "resume with the same settings or start over", path=folder)
+        final = journal.get("final") or []
+        for i, shard in enumerate(journal.get("shards") or []):
+            tmp = writer._shard_path(i)
+            if not os.path.exists(tmp) and i < len(final) and os.path.exists(os.path.join(folder, final[i])):
+                os.replace(os.path.join(folder, final[i]), tmp)  # named by a close that was killed
+            try:
+                intact = os.path.getsize(tmp) == shard["bytes"] and isinstance(shard["tensors"], dict)
+            except (OSError, KeyError, TypeError):
+                intact = False
+            if not intact:
+                break  # this shard and the later ones are redone
+            writer._shards.append({"tensors": dict(shard["tensors"]), "bytes": shard["bytes"]})
+            writer._done.update(shard["tensors"])
+            writer.total_bytes += sum(shard["tensors"].values())
         return writer
+
+    def kept_files(self) -> List[str]:
+        """The file names of the shards kept from an interrupted run (everything else in the folder
+        may go)."""
+        return [os.path.basename(self._shard_path(i)) for i in range(len(self._shards))]
+
+    def record_progress(self, final: Optional[List[str]] = None) -> None:
+        data: Dict[str, Any] = {"max_shard_bytes": self.rotation.max_shard_bytes, "shards": self._shards}
+        if final is not None:
+            data["final"] = final
+        if self._record is not None:
+            self._record(data)
+        else:
+            write_file_atomic(os.path.join(self.folder, self.JOURNAL), json.dumps(data).encode(), fsync=self.fsync)
 
     def has(self, name: str) -> bool:
         """True if `name` is already in a completed shard (of an interrupted run)."""
@@ -113,12 +150,24 @@ class ShardWriter:
         if shard is None or not len(shard):
             return
         index = len(self._shards)
-        shard.close()
-        os.replace(shard.path, self._shard_path(index))  # a shard is either complete or absent
-        self._shards.append(dict(shard.sizes))
-        write_file_atomic(os.path.join(self.folder, self.JOURNAL),
-                          json.dumps({"max_shard_bytes": self.rotation.max_shard_bytes, "shards": self._shards}).encode(),
-                          fsync=False)
+        try:
+            shard.close(fsync=self.fsync)
+        except BaseException:
+            shard.discard()  # no unusable partial shard is left (a full disk, say)
+            raise
+        final = self._shard_path(index)
+        try:
+            os.replace(shard.path, final)  # a shard is either complete or absent
+        except OSError as e:
+            raise write_error(e, shard.path, "renaming the shard") from None
+        self._shards.append({"tensors": dict(shard.sizes), "bytes": shard.reserve + shard.nbytes})
+        self.record_progress()
+
+    def abort(self) -> None:
+        """Drop the open (unfinished) shard file; finished shards stay for a resume."""
+        shard, self._open = self._open, None
+        if shard is not None:
+            shard.discard()
 
     def close(self) -> List[str]:
         """Write the last shard, give shards their final names, write the index. Returns the
@@ -130,12 +179,17 @@ class ShardWriter:
         if count == 0:
             raise ValueError("no tensors were written")
         names = hf_shard_names(count)
+        self.record_progress(final=names)  # a run killed while renaming resumes from either name
         for i, final in enumerate(names):
-            os.replace(self._shard_path(i), os.path.join(self.folder, final))
-        os.remove(os.path.join(self.folder, self.JOURNAL))
+            try:
+                os.replace(self._shard_path(i), os.path.join(self.folder, final))
+            except OSError as e:
+                raise write_error(e, self._shard_path(i), "renaming the shard") from None
+        if self._record is None:
+            os.remove(os.path.join(self.folder, self.JOURNAL))
         if count > 1:
-            weight_map = {t: names[i] for i, shard in enumerate(self._shards) for t in sorted(shard)}
+            weight_map = {t: names[i] for i, shard in enumerate(self._shards) for t in sorted(shard["tensors"])}
             index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
             write_file_atomic(os.path.join(self.folder, "model.safetensors.index.json"),
-                              json.dumps(index, indent=2).encode(), fsync=False)
+                              json.dumps(index, indent=2).encode(), fsync=self.fsync)
         return names

@@ -37,6 +37,7 @@ def test_shard_writer_streams_shards_index_and_resume(tmp_path):
     w = ShardWriter(str(out), max_shard_bytes=2048)
     for k in list(want)[:5]:
         w.add(k, want[k])  # shards 0 and 1 complete, shard 2 open (.part) when "killed"
+    w.abort()
     w2 = ShardWriter.resume(str(out), 2048)
     assert [w2.has(k) for k in want] == [True] * 4 + [False] * 2
     for k, t in want.items():

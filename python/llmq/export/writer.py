@@ -10,9 +10,10 @@ lm_head, routers...). Fused siblings (q/k/v, gate/up) in a format with a tensor-
 (NVFP4, per-tensor FP8) are held until the group is complete and share one global scale.
 
 Memory: one input tensor plus at most one sibling group plus their outputs (shards are
-streamed to disk tensor by tensor, llmq.export.shards). The folder is
-built under a temporary name (``.<name>.partial``) and renamed into place only when complete;
-completed shards are journalled so an interrupted run can resume (resume=True).
+streamed to disk tensor by tensor, llmq.export.shards). The folder is built in
+``<out>.partial`` (llmq.checkpoint.workfolder: locked, journalled, fsynced) and renamed into
+place only when complete; completed shards are journalled so an interrupted run can resume
+(resume=True).
 """
 
 from __future__ import annotations
@@ -21,13 +22,14 @@ import dataclasses
 import json
 import os
 import re
-import shutil
 import time
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 
 import torch
 
-from llmq.checkpoint.fileio import copy_file, write_error, write_file_atomic
+from llmq.checkpoint.errors import ResumeMismatchError
+from llmq.checkpoint.fileio import copy_file, write_file_atomic
+from llmq.checkpoint.workfolder import WorkFolder
 from llmq.export.quant_config import build_hf_quantization_config, build_modelopt_hf_quant_config
 from llmq.export.shards import ShardWriter
 from llmq.export.spec import (
@@ -279,6 +281,8 @@ def write_hf_quantized_checkpoint(
     overwrite: bool = False,
     resume: bool = False,
     keep_unquantized: Iterable[str] = DEFAULT_KEEP_UNQUANTIZED,
+    fsync: bool = True,
+    add_files: Optional[Callable[[str], None]] = None,
 ) -> ExportSummary:
     """Write a quantized HF folder at out_dir, atomically.
 
@@ -297,26 +301,41 @@ def write_hf_quantized_checkpoint(
     shards it completed are kept and their tensors are not quantized again (the result is
     byte-identical to an uninterrupted run). With resume=False a failed run removes its
     partial folder; with resume=True the partial folder is kept for the next attempt.
+    fsync: every file and the folder are fsynced before the rename that publishes them.
+    add_files(folder): called with the work folder once everything else is written, before the
+    publish; what it writes there is published with the folder (a run's error report, say).
+    The work folder, its lock, journal and publish are llmq.checkpoint.workfolder's (another run
+    into the same out_dir is refused at once; a folder there that no llmq run left is refused).
     """
     if style not in STYLES:
         raise ValueError(f"style {style!r} unknown; expected one of {STYLES}")
     out_dir = os.path.abspath(out_dir)
-    if os.path.exists(out_dir) and not overwrite:
-        raise FileExistsError(f"{out_dir} already exists; pass overwrite=True to replace it")
     extra_files = list(extra_files)
     for path in extra_files:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"extra file {path} does not exist")
-    parent = os.path.dirname(out_dir)
-    os.makedirs(parent, exist_ok=True)
-    tmp = os.path.join(parent, f".{os.path.basename(out_dir)}.partial")
-    if os.path.exists(tmp) and not resume:
-        shutil.rmtree(tmp)
-    os.makedirs(tmp, exist_ok=True)
+    # <out>.partial, locked until published (or released for a resume); refuses another run
+    # into the same out_dir and a folder there that is not an interrupted llmq run's
+    work = WorkFolder(out_dir, writer="hf", overwrite=overwrite, fsync=fsync)
     start = time.perf_counter()
     summary = ExportSummary(folder=out_dir, style=style)
+    shards = None
     try:
-        shards = ShardWriter.resume(tmp, max_shard_bytes) if resume else ShardWriter(tmp, max_shard_bytes)
+        if work.other_writer is not None and resume:
+            raise ResumeMismatchError(f"an interrupted run of another writer ({work.other_writer}) left this "
+                                      "folder; delete it or start over (resume=False)", path=work.path)
+        journal = work.journal if resume else None
+        settings = {"style": style, "max_shard_bytes": int(max_shard_bytes)}
+        if journal is not None and journal.get("settings") != settings:
+            raise ResumeMismatchError("an interrupted export with another style or shard size left this folder; "
+                                      "resume with the same settings or start over (resume=False)", path=work.path)
+        record = lambda data: work.write_journal({"settings": settings, "shards": data})  # noqa: E731
+        if journal is not None:
+            shards = ShardWriter.resume(work.path, max_shard_bytes, journal["shards"], record=record, fsync=fsync)
+        else:
+            shards = ShardWriter(work.path, max_shard_bytes, record=record, fsync=fsync)
+        work.clear(keep=shards.kept_files())  # everything else an interrupted run left is redone
+        shards.record_progress()  # from now on the folder is recognisably this run's
         exporter = _Exporter(recipe_lookup(recipe), style, input_amax or {}, shards, keep=tuple(keep_unquantized))
         for name, tensor in tensors:
             if not isinstance(tensor, (torch.Tensor, RowBlocks)):
@@ -332,29 +351,30 @@ def write_hf_quantized_checkpoint(
         summary.resumed_tensors = shards.skipped
         summary.quantized_modules = len(exporter.specs)
         summary.excluded_modules = sorted(set(exporter.excluded))
-        _write_configs(tmp, exporter.specs, summary.excluded_modules, style, config, kv_cache_quant_algo)
+        _write_configs(work.path, exporter.specs, summary.excluded_modules, style, config, kv_cache_quant_algo, fsync)
         for path in extra_files:
-            copy_file(path, os.path.join(tmp, os.path.basename(path)), fsync=False)
-        try:
-            if os.path.exists(out_dir):
-                shutil.rmtree(out_dir)
-            os.replace(tmp, out_dir)
-        except OSError as e:
-            raise write_error(e, out_dir, "renaming into place") from None
+            copy_file(path, os.path.join(work.path, os.path.basename(path)), fsync=fsync)
+        if add_files is not None:
+            add_files(work.path)
+        work.publish(synced=summary.shards)
     except BaseException:
-        if not resume:
-            shutil.rmtree(tmp, ignore_errors=True)
+        if shards is not None:
+            shards.abort()
+        if resume:
+            work.release()  # the folder stays for the next attempt
+        else:
+            work.discard()
         raise
     summary.seconds = time.perf_counter() - start
     return summary
 
 
-def _write_configs(folder, specs, excluded, style, config, kv_cache_quant_algo) -> None:
+def _write_configs(folder, specs, excluded, style, config, kv_cache_quant_algo, fsync) -> None:
     cfg = dict(config or {})
     cfg["quantization_config"] = build_hf_quantization_config(specs, style=style, exclude_modules=excluded, kv_cache_quant_algo=kv_cache_quant_algo)
     write_file_atomic(os.path.join(folder, "config.json"), json.dumps(cfg, indent=2, sort_keys=True).encode(),
-                      fsync=False)
+                      fsync=fsync)
     if style == "modelopt":
         hf = build_modelopt_hf_quant_config(specs, exclude_modules=excluded, kv_cache_quant_algo=kv_cache_quant_algo)
         write_file_atomic(os.path.join(folder, "hf_quant_config.json"),
-                          json.dumps(hf, indent=2, sort_keys=True).encode(), fsync=False)
+                          json.dumps(hf, indent=2, sort_keys=True).encode(), fsync=fsync)

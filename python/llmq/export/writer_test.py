@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from llmq.checkpoint import CheckpointError, ResumeMismatchError
 from llmq.export import write_hf_quantized_checkpoint
 from llmq.quant import fp
 from llmq.quant.presets import FP8_PER_CHANNEL as FP8_CHANNEL, INT4, MXFP4, MXFP8, NVFP4
@@ -264,7 +265,7 @@ def test_streaming_is_atomic_sharded_and_deterministic(tiny_moe, tmp_path):
         with safe_open(str(out / shard), "pt") as f:
             assert name in f.keys()
     assert index["metadata"]["total_size"] == s1.output_bytes
-    with pytest.raises(FileExistsError):
+    with pytest.raises(CheckpointError, match="output already exists"):
         write_hf_quantized_checkpoint(str(out), iter(sd.items()), mixed_recipe, style="compressed-tensors")
     s2 = write_hf_quantized_checkpoint(str(tmp_path / "b"), iter(sd.items()), mixed_recipe, style="compressed-tensors", max_shard_bytes=100_000)
     for shard in s1.shards:
@@ -285,12 +286,12 @@ def test_interrupted_export_resumes_to_identical_bytes(tiny_moe, tmp_path):
     out = tmp_path / "resumed"
     with pytest.raises(KeyboardInterrupt):
         write_hf_quantized_checkpoint(str(out), dies_after(14), mixed_recipe, style="compressed-tensors", max_shard_bytes=60_000, resume=True)
-    partial = tmp_path / ".resumed.partial"
-    assert not out.exists() and (partial / "progress.json").exists()
-    with pytest.raises(ValueError, match="max_shard_bytes=60000"):
+    partial = tmp_path / "resumed.partial"
+    assert not out.exists() and (partial / "journal.json").exists()
+    with pytest.raises(ResumeMismatchError, match="another style or shard size"):
         write_hf_quantized_checkpoint(str(out), iter(sd.items()), mixed_recipe, style="compressed-tensors", max_shard_bytes=70_000, resume=True)
     again = write_hf_quantized_checkpoint(str(out), iter(sd.items()), mixed_recipe, style="compressed-tensors", max_shard_bytes=60_000, resume=True)
-    assert again.resumed_tensors > 0 and not partial.exists()
+    assert again.resumed_tensors > 0 and not partial.exists() and sorted(os.listdir(tmp_path)) == ["resumed", "whole"]
     assert again.shards == whole.shards
     for f in whole.shards + ["model.safetensors.index.json", "config.json"]:
         assert (out / f).read_bytes() == (tmp_path / "whole" / f).read_bytes(), f
@@ -330,7 +331,7 @@ def test_a_full_disk_is_one_line_naming_the_file_and_the_export_resumes(tiny_moe
     assert stat.S_IMODE(os.stat(tmp_path / "whole" / whole.shards[0]).st_mode) == 0o666 & ~_umask()
     real_write = os.write
 
-    def enospc(fd, data):  # the journal after the first shard, then config.json
+    def enospc(fd, data):  # the journal, written before anything else
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(os, "write", enospc)
@@ -338,7 +339,7 @@ def test_a_full_disk_is_one_line_naming_the_file_and_the_export_resumes(tiny_moe
     with pytest.raises(OutputWriteError) as info:
         write_hf_quantized_checkpoint(str(out), iter(sd.items()), mixed_recipe, style="compressed-tensors",
                                       max_shard_bytes=60_000, resume=True)
-    assert str(info.value) == f"{tmp_path / '.out.partial' / 'progress.json'}: No space left on device"
+    assert str(info.value) == f"{tmp_path / 'out.partial' / 'journal.json'}: No space left on device"
     assert not out.exists()
     monkeypatch.setattr(os, "write", real_write)
     write_hf_quantized_checkpoint(str(out), iter(sd.items()), mixed_recipe, style="compressed-tensors",
