@@ -12,6 +12,7 @@ import torch
 mx = pytest.importorskip("mlx.core", reason="the MLX runtime (mlx, or mlx[cpu] on Linux) is not installed here")
 mlx_lm = pytest.importorskip("mlx_lm", reason="mlx-lm is not installed here")
 
+from llmq.checkpoint import CheckpointError  # noqa: E402
 from llmq.quant.formats import dequantize_canonical  # noqa: E402
 from llmq_mlx import pack_mlx_affine, write_mlx_lm_folder  # noqa: E402
 from llmq_mlx.mlx_lm_writer import quantization_section  # noqa: E402
@@ -217,7 +218,7 @@ def test_writer_rejects_bad_input(tmp_path):
     assert not (tmp_path / "b").exists() and not (tmp_path / "c").exists()
     assert [p.name for p in tmp_path.iterdir()] == []  # no half-written folders left behind
     write_mlx_lm_folder(tmp_path / "d", [("x.weight", w)], {"model_type": "llama"})
-    with pytest.raises(FileExistsError, match="overwrite"):
+    with pytest.raises(CheckpointError, match="output already exists; pass overwrite=True"):
         write_mlx_lm_folder(tmp_path / "d", [("x.weight", w)], {"model_type": "llama"})
 
 

@@ -54,17 +54,17 @@ def test_a_full_disk_is_one_line_naming_the_file(tmp_path, monkeypatch):
     with pytest.raises(OutputWriteError) as info:
         write_mlx_lm_folder(tmp_path / "out", items(), CONFIG)
     assert str(info.value) == f"{info.value.path}: No space left on device"
-    assert info.value.path.startswith(str(tmp_path / ".out.partial-"))
+    assert info.value.path.startswith(str(tmp_path / "out.partial") + os.sep)
     assert list(tmp_path.iterdir()) == []  # nothing published, no debris
 
     monkeypatch.undo()
     real_write = os.write
 
-    def enospc(fd, data):  # config.json and the index go through os.write
+    def enospc(fd, data):  # the journal, config.json and the index go through os.write
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(os, "write", enospc)
-    with pytest.raises(OutputWriteError, match=r"config\.json: No space left on device$"):
+    with pytest.raises(OutputWriteError, match=r"out\.partial/journal\.json: No space left on device$"):
         write_mlx_lm_folder(tmp_path / "out", items(), CONFIG)
     monkeypatch.setattr(os, "write", real_write)
     assert list(tmp_path.iterdir()) == []

@@ -20,26 +20,26 @@ an entry `{"group_size", "bits", "mode"}` for every module that differs, and `fa
 every module whose 2-D+ `.weight` was kept in high precision, so mlx-lm never guesses.
 
 Each tensor is written to its shard as it arrives (llmq.checkpoint.shard_file), so memory
-holds one tensor, whatever the shard size. The folder is
-built under a temporary name and renamed into place when complete: an interrupted
-run never leaves a folder that looks finished. Same input -> byte-identical files.
+holds one tensor, whatever the shard size. The folder is built in `<out>.partial`
+(llmq.checkpoint.workfolder: locked from the start, so a second run into the same folder is
+refused before any work; fsynced; one rename) and renamed into place when complete: an
+interrupted run never leaves a folder that looks finished, and the next run clears what it left
+(no resume). Same input -> byte-identical files.
 """
 
 from __future__ import annotations
 
 import collections
-import errno
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
-from typing import Dict, Iterable, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, Iterable, Optional, Sequence, Tuple, Union
 
 import torch
 
-from llmq.checkpoint.fileio import copy_file, umask_mode, write_error, write_file_atomic
+from llmq.checkpoint.fileio import copy_file, write_error, write_file_atomic
 from llmq.checkpoint.shard_file import ShardRotation, StreamingShardFile, hf_shard_names
+from llmq.checkpoint.workfolder import WorkFolder
 from llmq.quant.formats import GroupQuantizedWeight
 
 from .affine import MLXQuantizedWeight, pack_mlx_affine
@@ -81,9 +81,10 @@ class _ShardWriter:
     """Writes each tensor into the open shard as it arrives (llmq.checkpoint.shard_file: one
     tensor in memory at a time) and starts a new shard whenever the next one would overflow."""
 
-    def __init__(self, folder: Path, rotation: ShardRotation):
+    def __init__(self, folder: Path, rotation: ShardRotation, fsync: bool):
         self.folder = folder
         self.rotation = rotation
+        self.fsync = fsync
         self.open: Optional[StreamingShardFile] = None
         self.shard_files = []  # temporary names, in order
         self.weight_map: Dict[str, int] = {}  # tensor name -> shard index
@@ -105,8 +106,18 @@ class _ShardWriter:
         shard, self.open = self.open, None
         if shard is None:
             return
-        shard.close()
+        try:
+            shard.close(fsync=self.fsync)
+        except BaseException:
+            shard.discard()
+            raise
         self.shard_files.append(Path(shard.path))
+
+    def abort(self) -> None:
+        """Stop the open shard's writer thread and drop its file."""
+        shard, self.open = self.open, None
+        if shard is not None:
+            shard.discard()
 
     def finish(self) -> Sequence[str]:
         """Flush, give the shards their final names, write the index if sharded."""
@@ -116,14 +127,17 @@ class _ShardWriter:
             raise ValueError("no tensors were written")
         names = hf_shard_names(n)
         for tmp, final in zip(self.shard_files, names):
-            os.replace(tmp, self.folder / final)
+            try:
+                os.replace(tmp, self.folder / final)
+            except OSError as e:
+                raise write_error(e, str(tmp), "renaming the shard") from None
         if n > 1:
             index = {
                 "metadata": {"total_size": self.total_bytes},
                 "weight_map": {k: names[i] for k, i in sorted(self.weight_map.items())},
             }
             write_file_atomic(str(self.folder / "model.safetensors.index.json"),
-                              (json.dumps(index, indent=2) + "\n").encode(), fsync=False)
+                              (json.dumps(index, indent=2) + "\n").encode(), fsync=self.fsync)
         return names
 
 
@@ -135,16 +149,18 @@ def write_mlx_lm_folder(
     tokenizer_files: Iterable[Union[str, Path]] = (),
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     overwrite: bool = False,
+    fsync: bool = True,
+    add_files: Optional[Callable[[str], None]] = None,
 ) -> Path:
     """Write an mlx-lm model folder (see the module docstring) and return its path.
 
     `config` is the model's config.json content in mlx-lm's terms (`model_type` and
     the model's hyper-parameters); any "quantization" in it is replaced by the one
-    derived from the tensors. Existing `out_dir` is an error unless `overwrite`.
+    derived from the tensors. Existing `out_dir` is an error unless `overwrite`. fsync: every file
+    and the folder are fsynced before the rename that publishes them. add_files(folder): called
+    with the work folder before the publish; what it writes there is published with the folder.
     """
     out = Path(out_dir)
-    if out.exists() and not overwrite:
-        raise FileExistsError(f"{out} already exists (pass overwrite=True to replace it)")
     if not isinstance(config, dict) or "model_type" not in config:
         raise ValueError("config must be a dict with a 'model_type' mlx-lm knows (e.g. 'llama', 'qwen3_moe')")
     rotation = ShardRotation(max_shard_bytes)
@@ -152,15 +168,17 @@ def write_mlx_lm_folder(
     for p in tokenizer_files:
         if not p.is_file():
             raise FileNotFoundError(f"tokenizer file {p} does not exist")
+        if p.name in ("config.json",) or p.name.startswith("model"):
+            raise ValueError(f"tokenizer file {p} would overwrite the model's own {p.name}")
 
+    # <out>.partial, locked until published (llmq.checkpoint.workfolder): another run into the same
+    # folder is refused before any work; what a killed run left there is cleared (no resume).
+    work = WorkFolder(out, writer="mlx", overwrite=overwrite, fsync=fsync)
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-        os.chmod(tmp, umask_mode(0o777))  # mkdtemp makes it private; the result should not be
-    except OSError as e:
-        raise write_error(e, str(out.parent), "creating a folder") from None
-    try:
-        shards = _ShardWriter(tmp, rotation)
+        work.clear()
+        work.write_journal({})
+        tmp = Path(work.path)
+        shards = _ShardWriter(tmp, rotation, fsync)
         params: Dict[str, Dict[str, object]] = {}
         kept = []
         for name, value in tensors:
@@ -180,7 +198,7 @@ def write_mlx_lm_folder(
                     f"{name}: expected a torch.Tensor, MLXQuantizedWeight or GroupQuantizedWeight, "
                     f"got {type(value).__name__}"
                 )
-        shards.finish()
+        names = shards.finish()
 
         cfg = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
         section = quantization_section(params, kept)
@@ -188,21 +206,15 @@ def write_mlx_lm_folder(
             cfg["quantization"] = section
             cfg["quantization_config"] = section
         write_file_atomic(str(tmp / "config.json"), (json.dumps(cfg, indent=2, sort_keys=True) + "\n").encode(),
-                          fsync=False)
+                          fsync=fsync)
         for p in tokenizer_files:
-            if p.name in ("config.json",) or p.name.startswith("model"):
-                raise ValueError(f"tokenizer file {p} would overwrite the model's own {p.name}")
-            copy_file(str(p), str(tmp / p.name), fsync=False)
-
-        try:
-            if overwrite and out.exists():
-                shutil.rmtree(out)
-            os.replace(tmp, out)  # never onto a folder with files in it
-        except OSError as e:
-            if e.errno in (errno.ENOTEMPTY, errno.EEXIST):  # another run published it meanwhile
-                raise FileExistsError(f"{out} already exists (written by another run meanwhile)") from None
-            raise write_error(e, str(out), "renaming into place") from None
+            copy_file(str(p), str(tmp / p.name), fsync=fsync)
+        if add_files is not None:
+            add_files(str(tmp))
+        work.publish(synced=names)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if "shards" in locals():
+            shards.abort()
+        work.discard()
         raise
     return out
