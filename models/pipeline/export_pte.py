@@ -39,6 +39,7 @@ from absl import flags
 from torch import nn
 
 from llmq.checkpoint import CheckpointError
+from llmq.checkpoint.workfolder import publish_file
 from llmq.quant import QuantizedLinear, to_torchao
 from models.pipeline import export_pt2, quantize_and_save
 from models.pipeline.arch import Architecture
@@ -205,9 +206,15 @@ def export_module_pte(module: nn.Module, example_args: tuple, out_path: str) -> 
     check_lowerable(module)
     program = torch.export.export(module, example_args, strict=False)
     manager = lower_programs({"forward": program})
-    with open(out_path, "wb") as f:
-        manager.write_to_file(f)
+    write_pte(manager, out_path)
     return out_path
+
+
+def write_pte(manager, out_path: str) -> str:
+    """The lowered program's .pte at `out_path`, atomically (llmq.checkpoint.workfolder.publish_file:
+    locked, written in `<out>.partial/`, fsynced, renamed): a failed or killed export leaves no
+    file there, and another run writing the same path is refused at once."""
+    return publish_file(out_path, manager.write_to_file, writer="pte", overwrite=True)
 
 
 def delegated_fraction(manager, method: str) -> Dict[str, int]:
@@ -254,8 +261,7 @@ def export_steps_pte(model: nn.Module, layout: StaticCacheLayout, *, prompt_len:
     prefill, decode = export_pt2.export_steps(model, layout, prompt_len=prompt_len, max_seq_len=max_seq_len,
                                               dynamic_prompt=dynamic_prompt)
     manager = lower_programs({"prefill": prefill, "decode": decode})
-    with open(out_path, "wb") as f:
-        manager.write_to_file(f)
+    write_pte(manager, out_path)
     return manager, (prefill, decode)
 
 

@@ -29,7 +29,7 @@ import json
 import os
 import shutil
 import warnings
-from typing import Any, Callable, Dict, Iterable, Optional, Tuple
+from typing import Any, BinaryIO, Callable, Dict, Iterable, Optional, Tuple
 
 from llmq.checkpoint.errors import CheckpointError, OutputBusyError
 from llmq.checkpoint.fileio import fsync_path, write_error, write_file_atomic
@@ -276,3 +276,28 @@ class WorkFolder:
                     os.unlink(moved)
         finally:
             self.release()
+
+
+def publish_file(out: os.PathLike, fill: Callable[[BinaryIO], None], *, writer: str, overwrite: bool,
+                 fsync: bool = True) -> str:
+    """Write a single-file output atomically: ``fill(f)`` writes it into ``<out>.partial/<name>``
+    (locked, journalled), which is fsynced and renamed to ``<out>``. A failed or killed run
+    leaves no file at ``<out>`` (nor a partial one); the next run clears its work folder."""
+    work = WorkFolder(out, writer=writer, overwrite=overwrite, fsync=fsync,
+                      file_name=os.path.basename(os.path.abspath(os.fspath(out))))
+    try:
+        work.clear()
+        work.write_journal({})
+        path = work.payload()
+        try:
+            with open(path, "wb") as f:
+                fill(f)
+                f.flush()
+                if fsync:
+                    os.fsync(f.fileno())
+        except OSError as e:
+            raise write_error(e, path, "writing") from None
+        return work.publish(synced=[os.path.basename(path)])
+    except BaseException:
+        work.discard()
+        raise
