@@ -153,3 +153,29 @@ def test_calibration_and_report_take_row_blocks_whole(tmp_path, monkeypatch):
     assert digest(results["blocks"]["bundle"]) == digest(results["whole"]["bundle"])
     assert results["blocks"]["error_report"].rows == results["whole"]["error_report"].rows
     assert results["blocks"]["quantized"] == results["whole"]["quantized"] > 0
+
+
+@pytest.mark.parametrize("backend", ["bundle", "mlx"])
+def test_the_report_is_written_before_the_publish_and_a_failure_names_its_file(tmp_path, monkeypatch, backend):
+    """The report goes into the writer's work folder before its one publish: a full disk while
+    writing it is one line naming the file, and nothing is published at --out."""
+    import errno
+
+    from llmq.checkpoint import OutputWriteError
+    from llmq.quant.report import ErrorReport
+
+    if backend == "mlx":
+        pytest.importorskip("mlx.core", reason="the MLX runtime is not installed here")
+
+    def full(self, path):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # as a flush reports it: no file name
+
+    monkeypatch.setattr(ErrorReport, "write_png", full)
+    with pytest.raises(OutputWriteError) as info:
+        _run(tmp_path, "out", backend=backend)
+    assert str(info.value) == f"{tmp_path / 'out.partial' / 'quant_error.png'}: No space left on device"
+    assert not (tmp_path / "out").exists()
+    monkeypatch.undo()
+    result = _run(tmp_path, "out", backend=backend)
+    assert {"quant_error.csv", "quant_error.md", "quant_error.png"} <= set(os.listdir(result["bundle"]))
+    assert sorted(os.listdir(tmp_path)) == ["out"]

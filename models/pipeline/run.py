@@ -9,8 +9,10 @@ item by item; the backend publishes the output only when the whole stream passed
 reloads the published output (models/pipeline/verify.py); if that fails the output is moved to
 <out>.failed and the run fails (unless verify_warn_only). Nothing global changes.
 
-Files added to the published output: `quant_error.{csv,md,png}` (error_report: one row per tensor
-quantized by llmq, llmq.quant.report) and `budget_recipe.json` (the chosen recipe, reusable as --recipe).
+Files added to the output: `quant_error.{csv,md,png}` (error_report: one row per tensor quantized by
+llmq, llmq.quant.report) and `budget_recipe.json` (the chosen recipe, reusable as --recipe); the writer
+puts them in its work folder (WriteJob.add_files) before its one publish, so a failure writing them
+(one line naming the file) publishes nothing.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 
 from llmq.backend import BackendError, WriteJob, get_backend
 from llmq.checkpoint import checkpoint_shapes
+from llmq.checkpoint.fileio import write_error
 from llmq.quant import QuantRecipe, dequantize, is_quantized, load_recipe, quantize_stream
 from llmq.quant.chunked import QuantizedRowBlocks, RowBlocks
 from llmq.quant.formats import get_format, nbytes_of
@@ -149,7 +152,18 @@ def run(arch: Architecture, *, checkpoint: Optional[str], recipe: Optional[str],
 
         if verify is None:
             verify = kind == "embedded" or source.size_bytes < VERIFY_LIMIT_BYTES
-        job = _write_job(arch, source, writer.name, out, quant_recipe, recipe_name, max_shard_size, resume, verify)
+        def add_files(folder: str) -> None:
+            """The run's own files, written into the writer's work folder before its one publish."""
+            if budget is not None:
+                path = os.path.join(folder, RECIPE_FILE)
+                _named(path, lambda: quant_recipe.to_file(
+                    path, description=f"chosen by --budget_bits_per_weight={budget_bits_per_weight} (method "
+                                      f"{budget_method}) over the matrices {recipe_name} quantizes"))
+            if report is not None:
+                _named(folder, lambda: report.write(folder))
+
+        job = _write_job(arch, source, writer.name, out, quant_recipe, recipe_name, max_shard_size, resume, verify,
+                         add_files)
         try:
             getattr(writer, "check", lambda job: None)(job)
         except BackendError as e:
@@ -197,17 +211,13 @@ def run(arch: Architecture, *, checkpoint: Optional[str], recipe: Optional[str],
             rows.append(("calibration", f"{calibration.tokens} tokens of {calibration_text}, "
                                         f"{len(calibration.importance)} linear layers"))
         if budget is not None:
-            quant_recipe.to_file(os.path.join(written, RECIPE_FILE),
-                                 description=f"chosen by --budget_bits_per_weight={budget_bits_per_weight} (method "
-                                             f"{budget_method}) over the matrices {recipe_name} quantizes")
             rows.append(("budget", f"{budget.bits_per_weight:.3f} bits per weight (packed, 16-bit scales) over "
                                    f"{budget.matrices} matrices: " + ", ".join(
                                        f"{c}: {n}" for c, n in sorted(budget.counts.items(), key=lambda kv: -kv[1]))))
             result["budget"] = budget
         if report is not None:
-            files = report.write(written)
             rows.append(("error report", report.summary()))
-            rows.append(("error report files", ", ".join(os.path.basename(p) for p in files.values())))
+            rows.append(("error report files", ", ".join(report.file_names())))
             result["error_report"] = report
         elif error_report:
             rows.append(("error report", f"not made: --backend {backend} quantizes by itself"))
@@ -245,7 +255,7 @@ def run(arch: Architecture, *, checkpoint: Optional[str], recipe: Optional[str],
 
 
 def _write_job(arch: Architecture, source, backend: str, out: str, recipe: QuantRecipe, recipe_name: str,
-               max_shard_size: int, resume: bool, verify: bool) -> WriteJob:
+               max_shard_size: int, resume: bool, verify: bool, add_files=None) -> WriteJob:
     def to_hf(name, value):
         return arch.to_hf_tensors(name, value)
 
@@ -257,13 +267,22 @@ def _write_job(arch: Architecture, source, backend: str, out: str, recipe: Quant
         model_config=source.config, num_layers=arch.num_layers(source.config), to_hf=to_hf, from_hf=from_hf,
         source_files=source.source_files, tokenizer_files=source.tokenizer_files,
         source_kind=source.kind, max_shard_bytes=max_shard_size, resume=resume,
-        metadata={"architecture": arch.name, "backend": backend, "recipe": recipe_name}, verify=verify)
+        metadata={"architecture": arch.name, "backend": backend, "recipe": recipe_name}, verify=verify,
+        add_files=add_files)
 
 
 def _as_float(items):
     """Quantized values (a GGUF's exact imports) dequantized to the dtype they were quantized from."""
     for name, value in items:
         yield name, value if isinstance(value, (torch.Tensor, RowBlocks)) else dequantize(value)
+
+
+def _named(path: str, write) -> None:
+    """write(); an OSError becomes one line naming the file (the report's own, else `path`)."""
+    try:
+        write()
+    except OSError as e:
+        raise write_error(e, e.filename or path, "writing") from None
 
 
 def _folder_bytes(path: str) -> int:

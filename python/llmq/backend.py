@@ -39,6 +39,9 @@ class WriteJob:
     reloading. source_files: files the input carries (config.json, tokenizer) to copy along;
     tokenizer_files: tokenizer files for consumers that need them. source_kind: "hf" (a folder),
     "gguf" (a .gguf file; no config or tokenizer files) or "embedded" (the tiny default model).
+    add_files(folder): the run's own files (its error report, a chosen recipe); a writer calls it
+    with its work folder once the stream is written, before the one publish, so they are
+    published with the output or not at all.
     """
 
     out: str
@@ -57,6 +60,7 @@ class WriteJob:
     resume: bool = True
     metadata: Mapping[str, str] = dataclasses.field(default_factory=dict)
     verify: bool = False  # the run reloads the output afterwards (reload / check_consumer follow write)
+    add_files: Optional[Callable[[str], None]] = None
 
 
 class BackendError(ValueError):
@@ -89,7 +93,8 @@ class Backend(Protocol):
     takes_float: bool
 
     def write(self, stream: Stream, job: WriteJob) -> str:
-        """Write the stream to job.out; return the output path. Publish only a complete folder."""
+        """Write the stream to job.out; return the output path. Publish only a complete folder, with
+        job.add_files called on it first (llmq.checkpoint.workfolder does both)."""
 
     def reload(self, path: str, job: WriteJob) -> Dict[str, Any]:
         """The written tensors as model-layout canonical values (what the model is built from)."""
@@ -144,7 +149,7 @@ class BundleBackend:
         from llmq.checkpoint import save_bundle
 
         return save_bundle(stream, job.out, recipe=job.recipe, max_shard_bytes=job.max_shard_bytes, resume=job.resume,
-                           metadata=dict(job.metadata), extra_files=job.source_files)
+                           metadata=dict(job.metadata), extra_files=job.source_files, add_files=job.add_files)
 
     def reload(self, path: str, job: WriteJob) -> Dict[str, Any]:
         from llmq.checkpoint import load_bundle

@@ -101,7 +101,7 @@ class HfExportBackend:
         summary = write_hf_quantized_checkpoint(
             job.out, hf_stream(stream, job), recipe_lookup(job), style=self.style,
             config=_text_config(job.hf_config), max_shard_bytes=job.max_shard_bytes, extra_files=extra,
-            resume=job.resume)
+            resume=job.resume, add_files=job.add_files)
         self._summaries[summary.folder] = summary
         return summary.folder
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -54,7 +54,8 @@ def mlx_stream(items: Iterable[Tuple[str, Value]], naming, float_dtype: Optional
 
 def write_mlx_folder(out: str, items: Iterable[Tuple[str, Value]], hf_config: dict, model_config: Any, *,
                      tokenizer: Sequence[str] = (), max_shard_bytes: int = 5 << 30,
-                     float_dtype: Optional[torch.dtype] = None, overwrite: bool = False) -> Path:
+                     float_dtype: Optional[torch.dtype] = None, overwrite: bool = False,
+                     add_files: Optional[Callable[[str], None]] = None) -> Path:
     """Write the mlx-lm folder of the model `hf_config` describes from the pipeline's quantized stream;
     returns its path. ValueError where mlx-lm has no model for the config's model_type."""
     from llmq_mlx import write_mlx_lm_folder
@@ -65,7 +66,7 @@ def write_mlx_folder(out: str, items: Iterable[Tuple[str, Value]], hf_config: di
                          "(llmq_mlx.mlx_lm_models)")
     config = naming.mlx_config(hf_config, model_config)
     return write_mlx_lm_folder(out, mlx_stream(items, naming, float_dtype), config, tokenizer_files=tokenizer,
-                               max_shard_bytes=max_shard_bytes, overwrite=overwrite)
+                               max_shard_bytes=max_shard_bytes, overwrite=overwrite, add_files=add_files)
 
 
 def load_mlx_model(folder: Union[str, Path]):
@@ -182,7 +183,8 @@ class MlxBackend:
             stream = _keep(stream, kept)
         try:
             path = str(write_mlx_folder(job.out, stream, dict(job.hf_config), job.model_config,
-                                        tokenizer=job.tokenizer_files, max_shard_bytes=job.max_shard_bytes))
+                                        tokenizer=job.tokenizer_files, max_shard_bytes=job.max_shard_bytes,
+                                        add_files=job.add_files))
         except ValueError as e:  # a config or tensor mlx-lm cannot express (CheckpointError: a failed write)
             from llmq.checkpoint import CheckpointError
 

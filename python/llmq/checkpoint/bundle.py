@@ -525,14 +525,15 @@ class BundleWriter:
                 if self._syncer is not None:
                     self._syncer.join()
 
-    def close(self) -> str:
-        """Finish the last shard, write index + manifest, and rename the folder into place."""
+    def close(self, add_files: Optional[Callable[[str], None]] = None) -> str:
+        """Finish the last shard, write index + manifest, and rename the folder into place;
+        ``add_files(folder)`` (see save_bundle) runs just before the index and manifest."""
         try:
-            return self._close()
+            return self._close(add_files)
         finally:
             self._unlock()
 
-    def _close(self) -> str:
+    def _close(self, add_files: Optional[Callable[[str], None]]) -> str:
         if self._stopped:
             raise CheckpointError("this writer was already closed or aborted", path=self.partial)
         if self._pos != len(self._replay):
@@ -560,6 +561,8 @@ class BundleWriter:
             dst = os.path.join(self.partial, name)
             copy_file(src, dst, fsync=self.fsync)
             files.append({"file": name, "bytes": os.path.getsize(dst), "blake3": file_digest(dst)})
+        if add_files is not None:
+            add_files(self.partial)
         manifest = {
             "format": BUNDLE_FORMAT,
             "format_version": _written_version(tensors),
@@ -603,11 +606,13 @@ def save_bundle(stream: Iterable[Tuple[str, Union[Value, Callable[[], Value]]]],
                 recipe: Any = None, metadata: Optional[Dict[str, str]] = None,
                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, resume: bool = True, overwrite: bool = False,
                 fsync: bool = True, write_queue_bytes: int = DEFAULT_WRITE_QUEUE_BYTES,
-                extra_files: Iterable[os.PathLike] = ()) -> str:
+                extra_files: Iterable[os.PathLike] = (), add_files: Optional[Callable[[str], None]] = None) -> str:
     """Write ``(fqn, tensor | GroupQuantizedWeight | callable)`` items as a bundle; return its path.
 
     ``extra_files`` (e.g. ``source_files(hf_folder)``: config.json, tokenizer files) are copied
     into the bundle and recorded in the manifest's "files" with their size and BLAKE3 hash.
+    ``add_files(folder)`` is called with the work folder before the publish (a run's error report):
+    what it writes there is published with the bundle (not recorded in the manifest).
 
     Peak memory is the tensor in flight plus at most ``write_queue_bytes`` of tensors
     queued for the background writer (and a 16 MiB hashing buffer), not the shard or
@@ -624,7 +629,7 @@ def save_bundle(stream: Iterable[Tuple[str, Union[Value, Callable[[], Value]]]],
     except BaseException:
         writer.abort()
         raise
-    return writer.close()
+    return writer.close(add_files)
 
 
 # -- reading -------------------------------------------------------------------------------------------

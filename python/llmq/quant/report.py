@@ -242,8 +242,18 @@ class ErrorReport:
         """Write <stem>.csv, <stem>.md and <stem>.png into folder (created if missing); returns
         {"csv": path, "md": path, "png": path}."""
         os.makedirs(folder, exist_ok=True)
-        paths = {ext: os.path.join(folder, f"{stem}.{ext}") for ext in ("csv", "md", "png")}
-        self.write_csv(paths["csv"])
-        self.write_png(paths["png"])
-        self.write_markdown(paths["md"], png_name=os.path.basename(paths["png"]))
+        paths = {ext: os.path.join(folder, name) for ext, name in zip(("csv", "md", "png"), self.file_names(stem))}
+        for path, write in ((paths["csv"], self.write_csv), (paths["png"], self.write_png),
+                            (paths["md"], lambda p: self.write_markdown(p, png_name=os.path.basename(paths["png"])))):
+            try:
+                write(path)
+            except OSError as e:  # a full disk while flushing names no file: this one is it
+                if e.filename is None:
+                    e.filename = path
+                raise
         return paths
+
+    @staticmethod
+    def file_names(stem: str = "quant_error") -> List[str]:
+        """The names `write` gives its files."""
+        return [f"{stem}.{ext}" for ext in ("csv", "md", "png")]
