@@ -340,3 +340,18 @@ def test_a_kill_or_failure_at_every_step_resumes_byte_identically_and_leaves_not
                                    accept_refusal=lambda e: "output already exists" in str(e))
     assert any(s.endswith(": resumed") for s in seen) and any("refused" in s for s in seen), seen
     assert any(s.startswith("fail") for s in seen)
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o002, 0o077])
+def test_every_file_of_the_bundle_follows_the_umask(tmp_path, mask):
+    (tmp_path / "config.json").write_text("{}")
+    old = os.umask(mask)
+    try:
+        out = save_bundle(stream(), tmp_path / "out", max_shard_bytes=SHARD, fsync=False,
+                          extra_files=[tmp_path / "config.json"])
+    finally:
+        os.umask(old)
+    modes = {name: os.stat(os.path.join(out, name)).st_mode & 0o777 for name in os.listdir(out)}
+    assert sum(name.endswith(".safetensors") for name in modes) > 1
+    assert modes == {name: 0o666 & ~mask for name in modes}, modes
+    assert os.stat(out).st_mode & 0o777 == 0o777 & ~mask
