@@ -109,3 +109,31 @@ def test_a_kill_or_failure_at_every_step_resumes_byte_identically_and_leaves_not
                                    accept_refusal=lambda e: "output already exists" in str(e))
     assert any(s.endswith(": resumed") for s in seen) and any("refused" in s for s in seen)
     assert any(s.startswith("fail") for s in seen)
+
+
+def test_a_full_disk_in_a_shard_leaves_no_partial_shard_and_resumes(tmp_path, monkeypatch):
+    import errno
+
+    from llmq.checkpoint import OutputWriteError
+
+    real_pwrite, calls = os.pwrite, []
+
+    def pwrite(fd, data, offset):  # the disk fills up in the second shard, after its first write
+        if any(n.endswith(".tmp.safetensors") for n in os.listdir(tmp_path / "out.partial")):
+            calls.append(1)
+            if len(calls) == 2:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    with pytest.raises(OutputWriteError) as info:
+        write(tmp_path / "out")
+    monkeypatch.undo()
+    assert str(info.value).endswith(".part: No space left on device") and "\n" not in str(info.value)
+    left = os.listdir(tmp_path / "out.partial")
+    assert not [n for n in left if n.endswith(".part")], left  # the unfinished shard was dropped
+    assert any(n.endswith(".tmp.safetensors") for n in left), left  # finished ones kept for the resume
+    summary = write(tmp_path / "out")
+    assert summary.resumed_tensors > 0
+    write(tmp_path / "ref")
+    assert digest(str(tmp_path / "out")) == digest(str(tmp_path / "ref"))
