@@ -18,6 +18,8 @@ puts them in its work folder (WriteJob.add_files) before its one publish, so a f
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import math
 import os
 import shutil
 import sys
@@ -27,10 +29,10 @@ from typing import Dict, Optional, Sequence
 
 import torch
 
-from llmq.backend import BackendError, WriteJob, get_backend
+from llmq.backend import BackendError, WriteJob, get_backend, storage_of, with_scale_dtypes
 from llmq.checkpoint import checkpoint_shapes
 from llmq.checkpoint.fileio import write_error
-from llmq.quant import QuantRecipe, dequantize, is_quantized, load_recipe, quantize_stream
+from llmq.quant import GroupQuantizedWeight, QuantConfig, QuantRecipe, dequantize, is_quantized, load_recipe, quantize_stream
 from llmq.quant.chunked import QuantizedRowBlocks, RowBlocks
 from llmq.quant.formats import get_format, nbytes_of
 from llmq.quant.report import ErrorReport
@@ -47,10 +49,13 @@ ROW_BLOCK_BYTES = 16 << 20  # tensors over this travel as blocks of rows of at m
 
 
 class _Tally:
-    """Counts what flows through the stream: tensors, quantized tensors, bytes in and out."""
+    """Counts what flows through the stream: tensors, quantized tensors, bytes in and out (a quantized
+    weight as its backend writes it: `written_bits`), and the quantized weights' elements and bits."""
 
-    def __init__(self):
+    def __init__(self, written_bits=None):
         self.tensors = self.quantized = self.bytes_in = self.bytes_out = 0
+        self.quantized_weights = self.quantized_bits = 0
+        self.written_bits = written_bits
 
     def before(self, items):
         for name, value in items:
@@ -60,8 +65,15 @@ class _Tally:
     def after(self, items):
         for name, value in items:
             self.tensors += 1
-            self.quantized += is_quantized(value) or isinstance(value, QuantizedRowBlocks)
-            self.bytes_out += nbytes_of(value)
+            quantized = is_quantized(value) or isinstance(value, QuantizedRowBlocks)
+            self.quantized += quantized
+            if quantized and self.written_bits is not None:
+                bits = self.written_bits(name, value)
+                self.quantized_bits += bits
+                self.quantized_weights += math.prod(value.shape)
+                self.bytes_out += bits // 8
+            else:
+                self.bytes_out += nbytes_of(value)
             yield name, value
 
 
@@ -124,6 +136,13 @@ def run(arch: Architecture, *, checkpoint: Optional[str], recipe: Optional[str],
                 names = check_headers(arch, shapes, getattr(config, "num_experts", 0), expected, checkpoint)
         names = names if names is not None else expected.required()
         _check_recipe(quant_recipe, recipe_name, arch, config, expected)
+        if verify is None:
+            verify = kind == "embedded" or source.size_bytes < VERIFY_LIMIT_BYTES
+        job = _write_job(arch, source, writer.name, out, quant_recipe, recipe_name, max_shard_size, resume, verify)
+        # How the backend writes each config: the methods choose scales in its scale dtype, and every
+        # bits per weight below (budget, error report, summary) counts what it writes.
+        storage = storage_of(writer, job)
+        quant_recipe = with_scale_dtypes(quant_recipe, storage)
 
         def model_stream(notes=None, chunk_bytes=None):
             stream = checked_stream(source.stream(notes, chunk_bytes), expected, checkpoint)
@@ -141,17 +160,15 @@ def run(arch: Architecture, *, checkpoint: Optional[str], recipe: Optional[str],
             print(f"budget: measuring every candidate format of every matrix ({budget_method}; "
                   f"{budget_bits_per_weight} bits per weight)", flush=True)
             budget = choose_recipe(model_stream, quant_recipe, arch.num_layers(config), budget_bits_per_weight,
-                                   budget_method, calibration)
+                                   budget_method, calibration, storage=storage)
             quant_recipe = budget.recipe
             try:
                 quant_recipe.check_formats(writer.accepts_formats, f"--backend {backend}")
             except ValueError as e:
                 raise UsageError(f"--budget_bits_per_weight: {e}") from None
             recipe_label = f"{budget_bits_per_weight} bits per weight over {recipe_name}'s matrices ({RECIPE_FILE})"
-        report = ErrorReport() if error_report and not writer.takes_float else None
+        report = ErrorReport(storage) if error_report and not writer.takes_float else None
 
-        if verify is None:
-            verify = kind == "embedded" or source.size_bytes < VERIFY_LIMIT_BYTES
         def add_files(folder: str) -> None:
             """The run's own files, written into the writer's work folder before its one publish."""
             if budget is not None:
@@ -169,7 +186,7 @@ def run(arch: Architecture, *, checkpoint: Optional[str], recipe: Optional[str],
         except BackendError as e:
             raise UsageError(str(e)) from None
 
-        tally = _Tally()
+        tally = _Tally(_written_bits(quant_recipe.bind(arch.num_layers(config)), storage))
         start = time.perf_counter()
         gguf_notes = []
         # Large tensors travel as row blocks where the writer takes them: peak memory stays a block,
@@ -205,13 +222,17 @@ def run(arch: Architecture, *, checkpoint: Optional[str], recipe: Optional[str],
             ("bytes after", f"{tally.bytes_out:,} ({tally.bytes_out / max(tally.bytes_in, 1):.3f}x)"),
             ("time", f"{seconds:.2f} s"),
         ]
+        if tally.quantized_weights:
+            rows.insert(rows.index(("time", f"{seconds:.2f} s")), ("quantized weights", (
+                f"{tally.quantized_bits / tally.quantized_weights:.4f} bits per weight as written "
+                f"({tally.quantized_bits // 8:,} bytes for {tally.quantized_weights:,} weights, scales included)")))
         rows += getattr(writer, "summary", lambda path, job: [])(written, job)
         result = {}
         if calibration is not None:
             rows.append(("calibration", f"{calibration.tokens} tokens of {calibration_text}, "
                                         f"{len(calibration.importance)} linear layers"))
         if budget is not None:
-            rows.append(("budget", f"{budget.bits_per_weight:.3f} bits per weight (packed, 16-bit scales) over "
+            rows.append(("budget", f"{budget.bits_per_weight:.3f} bits per weight as {backend} writes them, over "
                                    f"{budget.matrices} matrices: " + ", ".join(
                                        f"{c}: {n}" for c, n in sorted(budget.counts.items(), key=lambda kv: -kv[1]))))
             result["budget"] = budget
@@ -223,6 +244,8 @@ def run(arch: Architecture, *, checkpoint: Optional[str], recipe: Optional[str],
             rows.append(("error report", f"not made: --backend {backend} quantizes by itself"))
         if source.from_gguf:
             rows.insert(1, ("input", f"GGUF {checkpoint}"))
+        if tally.quantized_weights:
+            result["bits_per_weight"] = tally.quantized_bits / tally.quantized_weights
         result.update({"bundle": written, "tensors": tally.tensors, "quantized": tally.quantized,
                        "bytes_in": tally.bytes_in, "bytes_out": tally.bytes_out, "progress_total": len(names)})
         failure = None
@@ -269,6 +292,26 @@ def _write_job(arch: Architecture, source, backend: str, out: str, recipe: Quant
         source_kind=source.kind, max_shard_bytes=max_shard_size, resume=resume,
         metadata={"architecture": arch.name, "backend": backend, "recipe": recipe_name}, verify=verify,
         add_files=add_files)
+
+
+def _written_bits(recipe: QuantRecipe, storage):
+    """(name, quantized value) -> the bits the backend writes for it (its Storage), the config taken
+    from the recipe, or from the value where it arrived quantized in another shape (a GGUF's block)."""
+
+    def bits(name, value):
+        module = quantizable_module(name)
+        config = recipe.get_config(module) if module is not None else None
+        if isinstance(value, GroupQuantizedWeight) and (
+                config is None or config.format != "int" or config.bits != value.bits
+                or config.group_size_for(value.shape[-1]) != value.group_size):
+            half = 1 << (value.bits - 1)
+            config = QuantConfig(bits=value.bits, group_size=value.group_size,
+                                 symmetric=bool(torch.equal(value.bias, -half * value.scale)))
+        if config is None:  # another format's import: counted as the bundle holds it
+            return nbytes_of(value) * 8
+        return storage(config).bits(tuple(value.shape), value)
+
+    return bits
 
 
 def _as_float(items):

@@ -5,8 +5,9 @@ weight error smallest while everything the recipe quantizes fits the budget
 Which matrices: those the run's recipe (--recipe, or the model's default) quantizes and that
 arrive as float tensors (a GGUF's quantized blocks are kept as they are and not counted). The
 candidates: `llmq.quant.budget.DEFAULT_OPTIONS` (3, 4, 5, 6, 8 bits, groups of 32 and 4-bit
-groups of 128, asymmetric) with --budget_method; bits are counted as backends pack them
-(`stored_bits`: 16-bit scales and zero points). With --calibration_text the errors are weighted
+groups of 128, asymmetric) with --budget_method; bits are counted as the run's backend writes them
+(its `storage` declaration: an MLX folder's 16-bit scale and bias per group, the bundle's float32
+pair), and each candidate is quantized with the scale dtype it writes. With --calibration_text the errors are weighted
 by each layer's importance. Each option's error is relative to its matrix's (weighted) energy, about
 the layer's relative output error: on Gemma 3 270M at 4.5 bits per weight this objective beat the
 absolute error sum (docs/quality.md). One pass over the input measures every option (only the
@@ -16,13 +17,14 @@ numbers are kept); the quantizing pass then reads the input again.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
 from llmq.quant import QuantRecipe
 from llmq.quant.budget import DEFAULT_OPTIONS, Option, budget_recipe, choose, measure_options, summarize
 from llmq.quant.importance import Calibration
+from llmq.quant.storage import CANONICAL, Storage
 from models.pipeline.arch import quantizable_module
 from models.pipeline.usage_error import UsageError
 
@@ -42,7 +44,8 @@ def candidates(method: str):
 
 
 def choose_recipe(stream: Callable, base: QuantRecipe, num_layers: int, budget_bits_per_weight: float, method: str,
-                  calibration: Optional[Calibration] = None) -> BudgetChoice:
+                  calibration: Optional[Calibration] = None,
+                  storage: Callable[[Any], Storage] = lambda config: CANONICAL) -> BudgetChoice:
     bound = base.bind(num_layers)
     configs = candidates(method)
     options: Dict[str, List[Option]] = {}
@@ -54,7 +57,7 @@ def choose_recipe(stream: Callable, base: QuantRecipe, num_layers: int, budget_b
             continue
         importance = calibration.importance_of(module) if calibration is not None else None
         try:
-            options[fqn] = measure_options(fqn, value, configs, importance=importance, relative=True)
+            options[fqn] = measure_options(fqn, value, configs, importance=importance, relative=True, storage=storage)
         except ValueError as e:
             raise UsageError(f"--budget_bits_per_weight: {e}") from None
         numel[fqn] = value.numel()

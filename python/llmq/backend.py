@@ -15,6 +15,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Protocol, Tuple, runtime_checkable
 
+from llmq.quant.storage import CANONICAL, Storage
+
 Stream = Iterable[Tuple[str, Any]]
 Rows = List[Tuple[str, str]]
 
@@ -72,7 +74,11 @@ class Backend(Protocol):
     """A terminal writer of quantized tensors.
 
     name: the --backend value; description: one line for --help. accepts_formats: the format
-    names a recipe may use with it (checked before any work). takes_float: False (the usual
+    names a recipe may use with it (checked before any work). storage(config, job) -> Storage
+    (llmq.quant.storage): how it writes a weight quantized with `config` (scale dtype, the tensors
+    and their dtypes and shapes): the run quantizes with that scale dtype and counts every bits
+    per weight it budgets, reports and prints from it, so they are the bytes it writes (job may be
+    None: the declaration must not need more than job.hf_config). takes_float: False (the usual
     case) means write() receives the quantized stream (llmq values: tensors and quantized
     weights, quantized by job.recipe); True means it receives the unquantized model-layout
     stream and quantizes with job.recipe itself.
@@ -92,6 +98,9 @@ class Backend(Protocol):
     accepts_formats: Tuple[str, ...]
     takes_float: bool
 
+    def storage(self, config: Any, job: Optional[WriteJob]) -> Storage:
+        """How a weight quantized with `config` is written (llmq.quant.storage.Storage)."""
+
     def write(self, stream: Stream, job: WriteJob) -> str:
         """Write the stream to job.out; return the output path. Publish only a complete folder, with
         job.add_files called on it first (llmq.checkpoint.workfolder does both)."""
@@ -105,7 +114,7 @@ _REGISTRY: Dict[str, Backend] = {}
 
 def register_backend(backend: Backend) -> Backend:
     """Make `backend` available as get_backend(backend.name); a second backend of one name is refused."""
-    missing = [a for a in ("name", "description", "accepts_formats", "takes_float", "write", "reload")
+    missing = [a for a in ("name", "description", "accepts_formats", "takes_float", "storage", "write", "reload")
                if not hasattr(backend, a)]
     if missing:
         raise TypeError(f"{type(backend).__name__} is not a Backend: it lacks {', '.join(missing)}")
@@ -123,6 +132,25 @@ def get_backend(name: str) -> Backend:
         return _REGISTRY[name]
     except KeyError:
         raise ValueError(f"backend {name!r} unknown; expected one of {', '.join(backend_names())}") from None
+
+
+def storage_of(backend: Backend, job: Optional[WriteJob] = None) -> Callable[[Any], Storage]:
+    """config -> Storage of `backend` for `job` (what budgets, reports and summaries count with)."""
+    return lambda config: backend.storage(config, job)
+
+
+def with_scale_dtypes(recipe: Any, storage: Callable[[Any], Storage]) -> Any:
+    """`recipe` with every config's scale_dtype set to the one its storage writes, so the methods
+    choose scales the backend holds exactly (formats without scales keep theirs)."""
+    from llmq.quant import QuantRecipe
+
+    def fitted(config):
+        if config is None or config.format != "int":
+            return config
+        return dataclasses.replace(config, scale_dtype=storage(config).scale_dtype)
+
+    rules = [dataclasses.replace(rule, config=fitted(rule.config)) for rule in recipe.rules]
+    return QuantRecipe(rules, num_layers=getattr(recipe, "num_layers", None))
 
 
 def backend_names() -> List[str]:
@@ -144,6 +172,11 @@ class BundleBackend:
         from llmq.quant.formats import format_names
 
         return tuple(format_names(quantizable=True))
+
+    def storage(self, config: Any, job: Optional[WriteJob]) -> Storage:
+        """The canonical containers as they are: integer codes with float32 scale and bias per group
+        (int4 g32: 6.0 bits per weight), the FP formats' own tensors."""
+        return CANONICAL
 
     def write(self, stream: Stream, job: WriteJob) -> str:
         from llmq.checkpoint import save_bundle

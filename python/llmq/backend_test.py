@@ -6,6 +6,7 @@ import torch
 from llmq import backend as backend_mod
 from llmq.backend import Backend, BundleBackend, WriteJob, backend_names, get_backend, register_backend
 from llmq.quant import QuantConfig, QuantRecipe, QuantRule, dequantize, quantize_weight
+from llmq.quant.storage import CANONICAL
 
 
 class _Dummy:
@@ -13,6 +14,9 @@ class _Dummy:
     description = "a test backend"
     accepts_formats = ("int",)
     takes_float = False
+
+    def storage(self, config, job):
+        return CANONICAL
 
     def write(self, stream, job):
         return job.out
@@ -52,7 +56,7 @@ def test_register_refuses_what_is_not_a_backend(clean_registry):
         def write(self, stream, job):
             return ""
 
-    with pytest.raises(TypeError, match="lacks reload"):
+    with pytest.raises(TypeError, match="lacks storage, reload"):
         register_backend(NoReload())
     assert "x" not in backend_names()
 

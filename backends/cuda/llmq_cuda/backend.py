@@ -6,18 +6,22 @@ Each packed weight `<name>` is stored as three bundle tensors:
     <name>.tinygemm_scale_and_zero  bfloat16 [..., K/group, ceil(N/8)*8, 2]
     <name>.tinygemm_shape           int64 [ndim] (the logical [..., N, K]; N is padded above)
 Weights tinygemm cannot hold (not 4-bit, K not a multiple of 32) stay canonical, so the
-bundle still loads everywhere. The bf16 scale_and_zero rounds scale and zero (docs/backends.md).
+bundle still loads everywhere. The run quantizes 4-bit tiled weights with bfloat16 scales
+(CudaBackend.storage), so scale_and_zero holds their scales exactly; an asymmetric zero
+(bias + 8*scale) still rounds once to bfloat16 (docs/backends.md).
 """
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, Iterator, Tuple
+from typing import Dict, Iterable, Iterator, Optional, Tuple
 
 import torch
 
 from llmq.backend import BundleBackend, WriteJob, register_backend
 from llmq.quant import GroupQuantizedWeight, pack_bits
-from llmq_cuda.tinygemm import TINYGEMM_INNER_K_TILES, TinygemmInt4Weight, pack_tinygemm_int4, unpack_tinygemm_int4
+from llmq.quant.storage import Storage, group_tensors
+from llmq_cuda.tinygemm import (TINYGEMM_GROUP_SIZES, TINYGEMM_INNER_K_TILES, TinygemmInt4Weight, pack_tinygemm_int4,
+                                padded_out_features, unpack_tinygemm_int4)
 
 _SUFFIXES = (".tinygemm_qdata", ".tinygemm_scale_and_zero", ".tinygemm_shape")
 
@@ -30,10 +34,35 @@ def _inner_k_tiles(k: int):
     return None
 
 
+def _packs(bits: int, group_size: int, k: int) -> bool:
+    """Whether a weight goes into tinygemm tiles (else it stays canonical)."""
+    return bits == 4 and group_size in TINYGEMM_GROUP_SIZES and _inner_k_tiles(k) is not None
+
+
+def cuda_storage(config) -> Storage:
+    """What the bundle holds for a weight quantized with `config`: 4-bit weights tinygemm takes as
+    int32 tiles [..., ceil(N/8)*8 rows] + bfloat16 scale_and_zero [..., K/group, ceil(N/8)*8, 2] +
+    int64 shape [ndim] (bfloat16 scales: the run chooses them exactly representable), the others
+    canonical (float32 scale and bias per group)."""
+    tile = config.bits == 4 and config.group_size in TINYGEMM_GROUP_SIZES
+
+    def tensors(scale_dtype: torch.dtype, shape):
+        *lead, n, k = shape
+        group = config.group_size_for(k)
+        if not _packs(config.bits, group, k):
+            return group_tensors(config.bits, group)(torch.float32, tuple(shape))
+        rows = padded_out_features(n)
+        return {"qdata": (torch.int32, tuple(lead) + (rows * k // 8,)),
+                "scale_and_zero": (scale_dtype, tuple(lead) + (k // group, rows, 2)),
+                "shape": (torch.int64, (len(shape),))}
+
+    return Storage(scale_dtype=torch.bfloat16 if tile else torch.float32, tensors=tensors)
+
+
 def pack_stream(items: Iterable[Tuple[str, object]]) -> Iterator[Tuple[str, object]]:
     for name, value in items:
         t = _inner_k_tiles(value.shape[-1]) if isinstance(value, GroupQuantizedWeight) else None
-        if t is None or value.bits != 4 or value.group_size not in (32, 64, 128, 256):
+        if t is None or not _packs(value.bits, value.group_size, value.shape[-1]):
             yield name, value
             continue
         packed = pack_tinygemm_int4(value, inner_k_tiles=t, name=name)
@@ -66,6 +95,9 @@ class CudaBackend:
     description = "the llmq bundle with 4-bit weights in tinygemm int4 tiles (torch.ops.aten._weight_int4pack_mm)"
     accepts_formats = ("int",)  # tinygemm packs integer weights
     takes_float = False
+
+    def storage(self, config, job: Optional[WriteJob]) -> Storage:
+        return cuda_storage(config)
 
     def write(self, stream: Iterable[Tuple[str, object]], job: WriteJob) -> str:
         return BundleBackend().write(pack_stream(stream), job)

@@ -19,6 +19,7 @@ import torch
 from llmq.backend import BackendError, WriteJob, register_backend
 from llmq.checkpoint import TOKENIZER_FILES, side_files
 from llmq.quant import GroupQuantizedWeight
+from llmq.quant.storage import Storage, group_tensors
 from llmq_mlx.mlx_lm_models import naming_for
 
 Value = Union[torch.Tensor, GroupQuantizedWeight]
@@ -43,7 +44,7 @@ def mlx_stream(items: Iterable[Tuple[str, Value]], naming, float_dtype: Optional
 
     `naming`: a module of llmq_mlx.mlx_lm_models. `float_dtype` casts the tensors kept in high
     precision (None: as the checkpoint stores them). Quantized weights stay canonical; the writer
-    packs them (exactly, float32 scales).
+    packs them (exactly: 16-bit scales where the quantizer chose them so, else float32).
     """
     for name, value in items:
         for mlx_name, mlx_value in naming.mlx_tensors(name, value):
@@ -52,12 +53,39 @@ def mlx_stream(items: Iterable[Tuple[str, Value]], naming, float_dtype: Optional
             yield mlx_name, mlx_value
 
 
+def mlx_scale_dtype(hf_config: Optional[dict]) -> torch.dtype:
+    """The dtype MLX folders hold scales and biases in: the model's dtype as mlx-lm's convert takes
+    it (config.json "torch_dtype", else text_config's "dtype"): bfloat16 for a bfloat16 model, float16
+    otherwise (mlx-lm keeps float32 for a float32 model; llmq writes 16 bits there too)."""
+    hf_config = hf_config or {}
+    text = hf_config.get("text_config") if isinstance(hf_config.get("text_config"), dict) else {}
+    name = hf_config.get("torch_dtype") or hf_config.get("dtype") or text.get("dtype") or text.get("torch_dtype")
+    return torch.bfloat16 if str(name).replace("torch.", "") == "bfloat16" else torch.float16
+
+
+def mlx_storage(config: Any, scale_dtype: torch.dtype) -> Storage:
+    """What an MLX folder holds for a weight quantized with `config`: uint32 words of codes, and a
+    scale and a bias per MLX group (the largest of 32/64/128 the canonical group repeats) in
+    `scale_dtype`, for symmetric formats too; scales `scale_dtype` cannot hold exactly (a GGUF's
+    K-quant imported as it is) are written in float32."""
+    from llmq_mlx.regroup import mlx_group_size_for
+
+    def tensors(dtype: torch.dtype, shape):
+        k = shape[-1]
+        group = mlx_group_size_for(config.group_size_for(k), k)
+        return group_tensors(config.bits, group, code_dtype=torch.uint32)(dtype, shape)
+
+    return Storage(scale_dtype=scale_dtype, tensors=tensors, widen_to=torch.float32)
+
+
 def write_mlx_folder(out: str, items: Iterable[Tuple[str, Value]], hf_config: dict, model_config: Any, *,
                      tokenizer: Sequence[str] = (), max_shard_bytes: int = 5 << 30,
                      float_dtype: Optional[torch.dtype] = None, overwrite: bool = False,
-                     add_files: Optional[Callable[[str], None]] = None) -> Path:
+                     add_files: Optional[Callable[[str], None]] = None,
+                     scale_dtype: Optional[torch.dtype] = None) -> Path:
     """Write the mlx-lm folder of the model `hf_config` describes from the pipeline's quantized stream;
-    returns its path. ValueError where mlx-lm has no model for the config's model_type."""
+    returns its path. ValueError where mlx-lm has no model for the config's model_type. Scales and
+    biases are written in `scale_dtype` (default: mlx_scale_dtype(hf_config)) where it holds them exactly."""
     from llmq_mlx import write_mlx_lm_folder
 
     naming = naming_for(hf_config)
@@ -66,7 +94,8 @@ def write_mlx_folder(out: str, items: Iterable[Tuple[str, Value]], hf_config: di
                          "(llmq_mlx.mlx_lm_models)")
     config = naming.mlx_config(hf_config, model_config)
     return write_mlx_lm_folder(out, mlx_stream(items, naming, float_dtype), config, tokenizer_files=tokenizer,
-                               max_shard_bytes=max_shard_bytes, overwrite=overwrite, add_files=add_files)
+                               max_shard_bytes=max_shard_bytes, overwrite=overwrite, add_files=add_files,
+                               scale_dtype=scale_dtype or mlx_scale_dtype(hf_config))
 
 
 def load_mlx_model(folder: Union[str, Path]):
@@ -138,7 +167,8 @@ def _representable(stream: Iterable[Tuple[str, Value]], job: WriteJob) -> Iterat
         if isinstance(value, GroupQuantizedWeight) and (value.bits not in MLX_BITS
                                                         or value.group_size not in MLX_GROUP_SIZES):
             module = name[: -len(".weight")] if name.endswith(".weight") else name
-            config = bound.get_config(module) or QuantConfig(bits=4, group_size=32)
+            config = bound.get_config(module) or QuantConfig(bits=4, group_size=32,
+                                                             scale_dtype=mlx_scale_dtype(job.hf_config))
             value = quantize_weight(dequantize(value, torch.float32), config, name=name)
             redone.append(f"{name} -> {config.describe()}")
         yield name, value
@@ -158,6 +188,11 @@ class MlxBackend:
 
     def __init__(self):
         self._kept: Dict[str, Dict[str, Value]] = {}  # out -> the tensors written there, for reload
+
+    def storage(self, config: Any, job: Optional[WriteJob]) -> Storage:
+        """16-bit scales and biases (the model's dtype, as mlx-lm writes them: mlx_scale_dtype), one of
+        each per group for symmetric formats too: int4 g64 is 4.5 bits per weight, g32 5.0."""
+        return mlx_storage(config, mlx_scale_dtype(job.hf_config if job is not None else None))
 
     def check(self, job: WriteJob) -> None:
         if job.source_kind == "gguf" and not job.tokenizer_files:

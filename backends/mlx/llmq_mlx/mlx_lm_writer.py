@@ -5,7 +5,8 @@ pipelines own the HF -> MLX key maps, e.g. qwen3_5_moe's conv1d [C, K, 1] and +1
 
 * `value` a torch.Tensor: written as is (kept in high precision);
 * `value` an `MLXQuantizedWeight` (or a canonical `GroupQuantizedWeight`, packed here
-  with `pack_mlx_affine`'s defaults): `mlx_name` is the weight's name,
+  with scales and biases in `scale_dtype` where it holds them exactly, else float32):
+  `mlx_name` is the weight's name,
   `<module>.weight` (or just `<module>`), and `<module>.weight/.scales/.biases` are written.
 
 Output:
@@ -41,6 +42,7 @@ from llmq.checkpoint.fileio import copy_file, write_error, write_file_atomic
 from llmq.checkpoint.shard_file import ShardRotation, StreamingShardFile, hf_shard_names
 from llmq.checkpoint.workfolder import WorkFolder
 from llmq.quant.formats import GroupQuantizedWeight
+from llmq.quant.storage import holds_scales
 
 from .affine import MLXQuantizedWeight, pack_mlx_affine
 
@@ -151,6 +153,7 @@ def write_mlx_lm_folder(
     overwrite: bool = False,
     fsync: bool = True,
     add_files: Optional[Callable[[str], None]] = None,
+    scale_dtype: torch.dtype = torch.float32,
 ) -> Path:
     """Write an mlx-lm model folder (see the module docstring) and return its path.
 
@@ -183,7 +186,8 @@ def write_mlx_lm_folder(
         kept = []
         for name, value in tensors:
             if isinstance(value, GroupQuantizedWeight):
-                value = pack_mlx_affine(value, name=name)
+                exact = holds_scales(value, scale_dtype)  # a weight quantized for it; else (a GGUF K-quant) float32
+                value = pack_mlx_affine(value, name=name, scale_dtype=scale_dtype if exact else torch.float32)
             if isinstance(value, MLXQuantizedWeight):
                 module = _module_path(name)
                 for key, t in value.named_tensors(module).items():

@@ -2,10 +2,10 @@
 the total weight error smallest while the quantized matrices fit in `budget_bits_per_weight`.
 
 How it works:
-1. `measure_options` quantizes one weight with every candidate config and records, per option,
-   the bits a backend stores for it (`stored_bits`: integer codes plus a 16-bit scale per group,
-   and a 16-bit zero point when asymmetric, as MLX and GGUF store them, not the canonical
-   float32 pair; other formats exactly as stored) and its squared weight
+1. `measure_options` quantizes one weight with every candidate config, its scale dtype the one
+   the backend writes (`storage`: config -> llmq.quant.storage.Storage, the backend's declaration;
+   default the llmq bundle's), and records, per option, the bits the backend writes for it (codes,
+   scales, biases or zero points as it stores them: `Storage.bits`) and its squared weight
    error, optionally weighted per input channel by an importance vector (the imatrix idea:
    the mean squared activation of each input column, so an error on a busy column costs more).
    Only these numbers are kept: the stream is read once and no quantized weight is held.
@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from llmq.quant.formats import get_format
+from llmq.quant.storage import CANONICAL, Storage
 from llmq.quant.quantize import dequantize, quantize_weight, takes_importance
 from llmq.quant.recipe import QuantConfig, QuantRecipe, QuantRule
 
@@ -49,11 +49,6 @@ class Option:
     error: float
 
 
-def stored_bits(q, config: QuantConfig) -> int:
-    """Bits a backend stores for quantized weight `q` (its format's `packed_bits`)."""
-    return get_format(config.format).packed_bits(q, config)
-
-
 def weight_error(w: torch.Tensor, approx: torch.Tensor, importance: Optional[torch.Tensor] = None) -> float:
     """sum((w - approx)^2 * importance[column]) in float64 (importance: one weight per input column)."""
     diff = (w.double() - approx.double()).pow(2)
@@ -63,8 +58,10 @@ def weight_error(w: torch.Tensor, approx: torch.Tensor, importance: Optional[tor
 
 
 def measure_options(name: str, w: torch.Tensor, configs: Sequence[QuantConfig] = DEFAULT_OPTIONS,
-                    importance: Optional[torch.Tensor] = None, relative: bool = False) -> List[Option]:
-    """Every config that can hold `w` (its group size divides K), with its bits and error.
+                    importance: Optional[torch.Tensor] = None, relative: bool = False,
+                    storage: Callable[[QuantConfig], Storage] = lambda config: CANONICAL) -> List[Option]:
+    """Every config that can hold `w` (its group size divides K), with the bits `storage` writes
+    for it and its error; each config takes the scale dtype its storage writes.
 
     relative: the error divided by the (equally weighted) energy of `w`, sum(a_j w_ij^2): with
     importances, about the layer's relative output error ||dW x||^2 / ||W x||^2, which does not
@@ -78,8 +75,12 @@ def measure_options(name: str, w: torch.Tensor, configs: Sequence[QuantConfig] =
         if gs <= 0 or w.shape[-1] % gs:
             continue
         # method "hqq" minimises the importance-weighted error itself; the others only get measured by it
+        stored = storage(config)
+        if config.format == "int":
+            config = dataclasses.replace(config, scale_dtype=stored.scale_dtype)
         q = quantize_weight(w, config, name=name, importance=importance if takes_importance(config) else None)
-        options.append(Option(config, stored_bits(q, config), weight_error(w, dequantize(q, torch.float32), importance)))
+        options.append(Option(config, stored.bits(tuple(w.shape), q),
+                              weight_error(w, dequantize(q, torch.float32), importance)))
     if not options:
         raise ValueError(f"{name}: none of the candidate configs fits its shape {list(w.shape)}")
     energy = weight_error(w, torch.zeros_like(w, dtype=torch.float32), importance) if relative else 0.0

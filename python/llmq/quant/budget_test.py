@@ -9,6 +9,12 @@ import torch
 from llmq.quant import dequantize, quantize_weight
 from llmq.quant.budget import DEFAULT_OPTIONS, Option, budget_recipe, choose, measure_options, weight_error
 from llmq.quant.recipe import QuantConfig, QuantRecipe
+from llmq.quant.storage import Storage, group_tensors
+
+
+def _half_storage(config):
+    """A backend writing a float16 scale and bias per group (as MLX does)."""
+    return Storage(torch.float16, group_tensors(config.bits, config.group_size))
 
 
 def _weights():
@@ -26,10 +32,18 @@ def _weights():
 def test_options_measure_bits_and_error_independently():
     w = _weights()["a.q_proj"]
     imp = torch.rand(128, generator=torch.Generator().manual_seed(1)) + 0.5
-    for opt in measure_options("a.q_proj", w, importance=imp):
+    for opt in measure_options("a.q_proj", w, importance=imp):  # the bundle: float32 scale and bias per group
         q = quantize_weight(w, opt.config)
         groups = w.numel() // opt.config.group_size
-        assert opt.bits == w.numel() * opt.config.bits + groups * (16 if opt.config.symmetric else 32)
+        assert opt.config.scale_dtype == torch.float32
+        assert opt.bits == w.numel() * opt.config.bits + groups * 64 == 8 * q.nbytes
+        manual = float((((w.double() - dequantize(q, torch.float32).double()) ** 2) * imp.double()).sum())
+        assert opt.error == pytest.approx(manual, rel=1e-9)
+    for opt in measure_options("a.q_proj", w, importance=imp, storage=_half_storage):
+        q = quantize_weight(w, opt.config)  # quantized with float16 scales: what that backend writes
+        groups = w.numel() // opt.config.group_size
+        assert opt.config.scale_dtype == torch.float16 and torch.equal(q.scale.half().float(), q.scale)
+        assert opt.bits == w.numel() * opt.config.bits + groups * 32
         manual = float((((w.double() - dequantize(q, torch.float32).double()) ** 2) * imp.double()).sum())
         assert opt.error == pytest.approx(manual, rel=1e-9)
 
@@ -57,7 +71,7 @@ def test_a_config_whose_group_does_not_divide_k_is_not_an_option():
 @pytest.mark.parametrize("budget", [4.1, 4.5, 4.8, 5.5, 6.5])
 def test_choice_fits_and_is_near_the_brute_force_optimum(budget):
     weights = _weights()
-    options = {n: measure_options(n, w) for n, w in weights.items()}
+    options = {n: measure_options(n, w, storage=_half_storage) for n, w in weights.items()}
     numel = {n: w.numel() for n, w in weights.items()}
     choice = choose(options, numel, budget)
     limit = budget * sum(numel.values())

@@ -130,10 +130,11 @@ def init_qparams(g: torch.Tensor, bits: int) -> Tuple[torch.Tensor, torch.Tensor
 
 def hqq_qparams_torch(g: torch.Tensor, bits: int, *, importance: Optional[torch.Tensor] = None, iters: int = ITERS,
                       p: float = P_NORM, beta: float = BETA, kappa: float = KAPPA,
-                      early_stop: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
+                      early_stop: bool = True, scale_dtype: torch.dtype = torch.float32) -> Tuple[torch.Tensor, torch.Tensor]:
     """The torch reference: (scale, float zero) float32 [R, G] of finite float32 groups
     g[R, G, gs] (see the module docstring). early_stop=False runs all `iters` updates and
-    returns the last zero (what the step-by-step test follows).
+    returns the last zero (what the step-by-step test follows). scale_dtype float16/bfloat16: the
+    scale is rounded to it (at least its smallest positive value) before the zero is optimised.
 
     importance: optional positive float32 [G, gs] (per input channel, e.g. mean squared
     activations): the error becomes sum a x^2 and the zero update the a-weighted mean
@@ -143,6 +144,12 @@ def hqq_qparams_torch(g: torch.Tensor, bits: int, *, importance: Optional[torch.
     a = None if importance is None else importance.to(torch.float64).reshape(g.shape[-2:])
     den = None if a is None else _sum64(a)
     s, z = init_qparams(g, bits)
+    if scale_dtype != torch.float32:
+        from llmq.quant.scale_rounding import smallest_scale
+        from llmq.quant.storage import round_to_dtype
+
+        s = torch.clamp(round_to_dtype(s, scale_dtype), min=smallest_scale(scale_dtype))
+        z = 0.0 - torch.clamp(g.amin(-1), max=0.0) / s
     inv = 1.0 / s
     q, x, err = _evaluate(g, inv, s, z, qmax, a)
     best_err, best_z = err, z.clone()

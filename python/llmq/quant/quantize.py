@@ -25,7 +25,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from llmq.quant import _native, hqq, search
+from llmq.quant import _native, hqq, scale_rounding, search
 from llmq.quant.formats import GroupQuantizedWeight, IntAffineFormat, format_of, get_format, pack_bits
 from llmq.quant.recipe import QuantConfig
 
@@ -120,6 +120,9 @@ def _quantize_rows(x: torch.Tensor, config: QuantConfig, gs: int, name: str, imp
     xmin, xmax = g.amin(-1), g.amax(-1)  # both propagate NaN, and +-Inf shows up in one of them
     if not (bool(torch.isfinite(xmin).all()) and bool(torch.isfinite(xmax).all())):
         raise _NotFinite()
+    if config.scale_dtype != torch.float32:  # 16-bit scales: the rounding is part of the choice
+        q, scale, bias = scale_rounding.quantize_groups(g, config, _group_importance(importance, k, gs), name)
+        return pack_bits(q.reshape(rows, k), bits), scale, bias
     if config.symmetric:
         offset = 1 << (bits - 1)
         scale = _qparams_symmetric(xmin, xmax, bits)
@@ -186,10 +189,12 @@ def quantize_int_weight(w: torch.Tensor, config: QuantConfig, *, name: str = "<t
         importance = _check_importance(importance, w.shape[-1], name)
     parts = None
     # None from the kernel means a NaN/Inf or an overflowing range: the reference path below
-    # raises the matching error, naming the tensor and the first bad element.
-    if config.method == "minmax" and importance is None and _native.applicable(w):
+    # raises the matching error, naming the tensor and the first bad element. The kernels choose
+    # float32 scales; 16-bit ones go the torch way (llmq.quant.scale_rounding).
+    kernel = config.scale_dtype == torch.float32 and _native.applicable(w)
+    if config.method == "minmax" and importance is None and kernel:
         parts = _native.quantize_rows(w.detach().reshape(-1, w.shape[-1]), config.bits, gs, config.symmetric)
-    elif config.method == "search" and _native.applicable(w) and _native.search_quantize_available():
+    elif config.method == "search" and kernel and _native.search_quantize_available():
         parts = _native.search_quantize_rows(w.detach().reshape(-1, w.shape[-1]), config.bits, gs,
                                              config.symmetric, importance=importance)
     if parts is None:
@@ -210,7 +215,8 @@ def _quantize_torch(w: torch.Tensor, config: QuantConfig, gs: int, name: str, im
     """The torch reference over all rows of w, chunk by chunk: (qdata, scale, bias) as [R, ...]."""
     k = w.shape[-1]
     rows = w.detach().reshape(-1, k)
-    step = max(1, (_CHUNK_ELEMENTS if config.method == "minmax" else _SEARCH_CHUNK_ELEMENTS) // k)
+    small = config.method != "minmax" or config.scale_dtype != torch.float32
+    step = max(1, (_SEARCH_CHUNK_ELEMENTS if small else _CHUNK_ELEMENTS) // k)
     try:
         parts = [_quantize_rows(rows[i : i + step].to(device="cpu", dtype=torch.float32), config, gs, name, importance) for i in range(0, rows.shape[0], step)]
     except _NotFinite:

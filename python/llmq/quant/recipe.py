@@ -59,8 +59,10 @@ class QuantConfig:
     For fp8 it selects the granularity: 0 per tensor, None per channel, 128 for 128x128 blocks.
     symmetric: symmetric (zero maps to zero, signed range) or asymmetric (integer zero point)
     min-max quantization; see docs/formats.md for the exact rules.
-    scale_dtype: the precision the scale is chosen in; the canonical form stores float32, so
-    only float32 is accepted for format "int".
+    scale_dtype: the dtype the scales (and biases) are written in, for format "int": float32, or
+    float16 / bfloat16, where the method chooses scales and biases exactly representable in it
+    (llmq.quant.scale_rounding; the canonical form still holds them as float32). A run sets it to
+    its backend's (llmq.backend.Backend.storage).
     """
 
     format: str = INT_FORMAT
@@ -121,7 +123,8 @@ class QuantConfig:
             return f"{self.format} g{self.group_size}" + method
         group = "row" if self.group_size is None else str(self.group_size)
         kind = "sym" if self.symmetric else "asym"
-        return f"{self.format}{self.bits} g{group} {kind}" + method
+        scales = "" if self.scale_dtype == torch.float32 else f" {_dtype_name(self.scale_dtype)} scales"
+        return f"{self.format}{self.bits} g{group} {kind}" + method + scales
 
 
 def layer_index(fqn: str) -> Optional[int]:

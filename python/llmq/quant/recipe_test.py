@@ -40,7 +40,6 @@ def dataclasses_frozen_error():
         (dict(symmetric="yes"), "symmetric"),
         (dict(format="int3"), "format='int3' unknown"),
         (dict(method="gptq"), "method='gptq' unknown"),
-        (dict(scale_dtype=torch.bfloat16), "scale_dtype"),
         (dict(scale_dtype="float64"), "scale_dtype"),
         (dict(format="mxfp4", bits=4, group_size=16), "group_size=32"),
         (dict(format="nvfp4", bits=8, group_size=16), "4-bit"),

@@ -15,11 +15,11 @@ writes three files into `folder`:
 Definitions (per tensor, W the original upcast to float64, W' = dequantize(quantized) in
 float64, E = W - W'):
 
-* bits_per_weight = 8 * (bytes the quantized weight stores, scales and zero points included)
-  / numel: e.g. int4 g32 with float32 scale and bias is 4 + 64/32 = 6.0;
-* packed_bits_per_weight (when the config is known) = the bits a backend packs it into,
-  `llmq.quant.budget.stored_bits`: 16-bit scales (and zero points when asymmetric), as MLX and
-  GGUF store them, so int4 g32 symmetric is 4.5; the budget counts these;
+* bits_per_weight = the bits the run's backend writes for the quantized weight (codes, scales,
+  biases or zero points and per-tensor extras as it stores them: its declared
+  llmq.quant.storage.Storage, given to the report as `storage`) / numel; default the llmq
+  bundle's: int4 g32 with float32 scale and bias is 4 + 64/32 = 6.0, in an MLX folder (16-bit
+  scale and bias) 5.0; the budget counts the same bits;
 * rel_error = ||E||_2 / ||W||_2;
 * sqnr_db = 10 log10(sum W^2 / sum E^2) (inf when E = 0, -inf when W = 0 and E != 0);
 * output_rel_error (only with calibration inputs X [R, K], the layer's input rows from a
@@ -35,11 +35,12 @@ import csv
 import dataclasses
 import math
 import os
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
 from llmq.quant.formats import GroupQuantizedWeight, format_of, nbytes_of
+from llmq.quant.storage import CANONICAL, Storage
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,17 +51,12 @@ class TensorError:
     format: str
     shape: Tuple[int, ...]
     numel: int
-    stored_bytes: int
+    written_bits: int  # what the backend writes for it (module docstring)
     signal: float  # sum W^2
     noise: float  # sum (W - W')^2
     max_abs_error: float
-    packed_bits: Optional[int] = None
     output_signal: Optional[float] = None  # sum (X W^T)^2 over calibration rows
     output_noise: Optional[float] = None  # sum (X E^T)^2
-
-    @property
-    def packed_bits_per_weight(self) -> Optional[float]:
-        return None if self.packed_bits is None or not self.numel else self.packed_bits / self.numel
 
     @property
     def output_rel_error(self) -> Optional[float]:
@@ -72,7 +68,7 @@ class TensorError:
 
     @property
     def bits_per_weight(self) -> float:
-        return 8.0 * self.stored_bytes / self.numel if self.numel else 0.0
+        return self.written_bits / self.numel if self.numel else 0.0
 
     @property
     def rel_error(self) -> float:
@@ -87,7 +83,7 @@ class TensorError:
         return 10.0 * math.log10(self.signal / self.noise)
 
 
-COLUMNS = ("name", "format", "shape", "numel", "bits_per_weight", "packed_bits_per_weight", "rel_error", "sqnr_db", "max_abs_error",
+COLUMNS = ("name", "format", "shape", "numel", "bits_per_weight", "rel_error", "sqnr_db", "max_abs_error",
            "output_rel_error")
 
 
@@ -103,10 +99,11 @@ def describe(quantized, config=None) -> str:
 
 
 def tensor_error(name: str, original: torch.Tensor, quantized, config=None,
-                 inputs: Optional[torch.Tensor] = None) -> TensorError:
+                 inputs: Optional[torch.Tensor] = None, storage: Optional[Storage] = None) -> TensorError:
     """The figures of one tensor (see the module docstring); `quantized` is any registered
     quantized container (or a plain tensor: a kept weight, error 0 against itself); `inputs`
-    [R, K] calibration input rows of the layer (2-D weights only) add output_rel_error."""
+    [R, K] calibration input rows of the layer (2-D weights only) add output_rel_error; `storage`:
+    how the backend writes it (default: the bundle's canonical containers)."""
     from llmq.quant.quantize import dequantize
 
     if not isinstance(original, torch.Tensor):
@@ -133,24 +130,26 @@ def tensor_error(name: str, original: torch.Tensor, quantized, config=None,
         y = x @ original.detach().to(torch.float64).T
         out_signal = float(y.square().sum())
         out_noise = float((y - x @ recon.detach().to(torch.float64).T).square().sum())
-    packed = None
-    if config is not None and format_of(quantized) is not None:
-        from llmq.quant.budget import stored_bits
-
-        packed = stored_bits(quantized, config)
-    return TensorError(name, describe(quantized, config), tuple(original.shape), w.numel(), nbytes_of(quantized),
-                       signal, noise, max_err, packed, out_signal, out_noise)
+    if format_of(quantized) is not None:
+        written = (storage or CANONICAL).bits(tuple(original.shape), quantized)
+    else:
+        written = nbytes_of(quantized) * 8
+    return TensorError(name, describe(quantized, config), tuple(original.shape), w.numel(), written,
+                       signal, noise, max_err, out_signal, out_noise)
 
 
 class ErrorReport:
-    """Accumulates TensorError rows; write() emits CSV, Markdown and PNG (module docstring)."""
+    """Accumulates TensorError rows; write() emits CSV, Markdown and PNG (module docstring).
+    storage: config -> Storage, how the run's backend writes each weight (default: the bundle's)."""
 
-    def __init__(self):
+    def __init__(self, storage: Optional[Callable[[Any], Storage]] = None):
         self.rows: List[TensorError] = []
+        self.storage = storage
 
     def add(self, name: str, original: torch.Tensor, quantized, config=None,
             inputs: Optional[torch.Tensor] = None) -> TensorError:
-        row = tensor_error(name, original, quantized, config, inputs)
+        storage = self.storage(config) if self.storage is not None and config is not None else None
+        row = tensor_error(name, original, quantized, config, inputs, storage)
         self.rows.append(row)
         return row
 
@@ -163,19 +162,16 @@ class ErrorReport:
     def total(self) -> TensorError:
         rows = self.rows
         measured = [r for r in rows if r.output_signal is not None]
-        return TensorError("TOTAL", "", (), sum(r.numel for r in rows), sum(r.stored_bytes for r in rows),
+        return TensorError("TOTAL", "", (), sum(r.numel for r in rows), sum(r.written_bits for r in rows),
                            sum(r.signal for r in rows), sum(r.noise for r in rows),
                            max((r.max_abs_error for r in rows), default=0.0),
-                           sum(r.packed_bits for r in rows) if rows and all(r.packed_bits is not None for r in rows)
-                           else None,
                            sum(r.output_signal for r in measured) if measured else None,
                            sum(r.output_noise for r in measured) if measured else None)
 
     def summary(self) -> str:
         """One line for a run's final table."""
         t = self.total()
-        packed = "" if t.packed_bits_per_weight is None else f" ({t.packed_bits_per_weight:.3f} packed)"
-        line = (f"{len(self.rows)} tensors: {t.bits_per_weight:.3f} bits/weight{packed}, rel. error "
+        line = (f"{len(self.rows)} tensors: {t.bits_per_weight:.3f} bits/weight as written, rel. error "
                 f"{t.rel_error:.4g}, SQNR {t.sqnr_db:.2f} dB")
         if t.output_rel_error is not None:
             line += f", layer output rel. error {t.output_rel_error:.4g} (calibration text)"
@@ -184,7 +180,6 @@ class ErrorReport:
     @staticmethod
     def _cells(r: TensorError) -> List[str]:
         return [r.name, r.format, "x".join(map(str, r.shape)), str(r.numel), f"{r.bits_per_weight:.4f}",
-                "" if r.packed_bits_per_weight is None else f"{r.packed_bits_per_weight:.4f}",
                 f"{r.rel_error:.6g}", f"{r.sqnr_db:.3f}", f"{r.max_abs_error:.6g}",
                 "" if r.output_rel_error is None else f"{r.output_rel_error:.6g}"]
 

@@ -10,6 +10,7 @@ import torch
 
 from llmq.quant import QuantConfig, dequantize, quantize_weight
 from llmq.quant.report import ErrorReport, tensor_error
+from llmq.quant.storage import Storage, group_tensors
 
 
 def tensors():
@@ -64,7 +65,7 @@ def test_streamed_report_writes_csv_markdown_png(tmp_path):
     for r, row in zip(rows, report.rows):
         assert abs(float(r["sqnr_db"]) - row.sqnr_db) < 1e-3 and r["shape"] == "x".join(map(str, row.shape))
     total = report.total()
-    want_bits = 8 * sum(r.stored_bytes for r in report.rows) / sum(r.numel for r in report.rows)
+    want_bits = sum(r.written_bits for r in report.rows) / sum(r.numel for r in report.rows)
     assert abs(float(rows[-1]["bits_per_weight"]) - want_bits) < 1e-4
     want_sqnr = 10 * math.log10(sum(r.signal for r in report.rows) / sum(r.noise for r in report.rows))
     assert abs(total.sqnr_db - want_sqnr) < 1e-12 and "3 tensors" in report.summary()
@@ -81,7 +82,7 @@ def test_streamed_report_writes_csv_markdown_png(tmp_path):
     assert top >= max(h for _, h, _ in report.sqnr_bars())
 
 
-def test_output_error_and_packed_bits_against_numpy():
+def test_output_error_and_written_bits_against_numpy():
     g = torch.Generator().manual_seed(3)
     w = torch.randn(24, 64, generator=g) * 0.03
     x = torch.randn(10, 64, generator=g) * torch.linspace(0.1, 3.0, 64)  # uneven input channels
@@ -91,14 +92,16 @@ def test_output_error_and_packed_bits_against_numpy():
     a, b, xs = (t.numpy().astype(np.float64) for t in (w, dequantize(q, torch.float32), x))
     want = np.linalg.norm(xs @ (a - b).T) / np.linalg.norm(xs @ a.T)
     assert abs(row.output_rel_error - want) < 1e-12 * want
-    # packed: 4-bit codes + one 16-bit scale per 32 weights (symmetric)
-    assert row.packed_bits_per_weight == 4 + 16 / 32
+    # the default storage is the bundle's: 4-bit codes + float32 scale and bias per 32 weights
+    assert row.bits_per_weight == 4 + 64 / 32
     assert tensor_error("l.weight", w, q).output_rel_error is None  # no calibration rows: no figure
     with pytest.raises(ValueError, match="l.weight: calibration inputs have shape"):
         tensor_error("l.weight", w, q, cfg, inputs=x[:, :32])
-    report = ErrorReport()
+    # a backend writing a float16 scale and bias per group (MLX's way): 4 + 32/32 bits per weight
+    report = ErrorReport(lambda config: Storage(torch.float16, group_tensors(config.bits, config.group_size)))
     report.add("l.weight", w, q, cfg, inputs=x)
     report.add("m.weight", w, q, cfg)
     total = report.total()
     assert abs(total.output_rel_error - want) < 1e-12 * want  # only the measured tensor counts
-    assert "layer output rel. error" in report.summary() and "4.500 packed" in report.summary()
+    assert report.rows[0].bits_per_weight == 5.0
+    assert "layer output rel. error" in report.summary() and "5.000 bits/weight as written" in report.summary()

@@ -118,11 +118,6 @@ class Format(abc.ABC):
     def nbytes(self, value: Any) -> int:
         return sum(t.numel() * t.element_size() for t in self.stored(value).values())
 
-    def packed_bits(self, value: Any, config: Any) -> int:
-        """Bits a backend packs `value` (quantized with `config`) into; default: exactly what `stored`
-        holds. A family whose canonical form keeps wider metadata than backends write overrides it."""
-        return self.nbytes(value) * 8
-
     def shape_of(self, value: Any) -> Tuple[int, ...]:
         return tuple(value.shape)
 

@@ -305,10 +305,9 @@ class IntAffineFormat(Format):
             raise ValueError(f"QuantConfig.group_size must be a positive int, -1 or None (whole row), got {gs!r}")
         if config.bits not in SUPPORTED_BITS:
             raise ValueError(f"QuantConfig.bits={config.bits} unsupported for format 'int'; expected one of {SUPPORTED_BITS}")
-        if config.scale_dtype != torch.float32:
-            raise ValueError(
-                f"QuantConfig.scale_dtype={config.scale_dtype} unsupported for format 'int'; the canonical form stores float32 scales"
-            )
+        if config.scale_dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(f"QuantConfig.scale_dtype={config.scale_dtype} unsupported for format 'int'; expected "
+                             "float32, float16 or bfloat16")
 
     def shape_problem(self, config: Any, shape: Tuple[int, ...]) -> Optional[str]:
         k = shape[-1]
@@ -334,12 +333,6 @@ class IntAffineFormat(Format):
         return GroupQuantizedWeight(qdata=stored["qdata"], scale=stored["scale"], bias=stored["bias"],
                                     bits=params.get("bits"), group_size=params.get("group_size"),
                                     shape=tuple(shape), dtype=dtype)
-
-    def packed_bits(self, value: GroupQuantizedWeight, config: Any) -> int:
-        """Codes plus a 16-bit scale per group, and a 16-bit zero point when asymmetric, as MLX and
-        GGUF store them (the canonical form's float32 scale and bias are wider)."""
-        groups = value.scale.numel()
-        return math.prod(value.shape) * value.bits + groups * (16 if config.symmetric else 32)
 
     def layout(self, name, params, shape) -> Layout:
         lead = tuple(shape[:-1]) if len(shape) >= 2 else (1,)
