@@ -207,8 +207,9 @@ def run(arch: Architecture, *, checkpoint: Optional[str], recipe: Optional[str],
         for note in gguf_notes:
             print(f"note: {note}")
 
-        if writer.takes_float:  # the backend quantized: what it wrote is on disk
+        if writer.takes_float:  # the backend quantized: what it wrote is on disk, its weights it counted
             tally.bytes_out = _folder_bytes(written)
+            tally.quantized_bits, tally.quantized_weights = getattr(writer, "written_bits", lambda path: (0, 0))(written)
             written_row = f"{tally.tensors} model tensors in, quantized by the backend"
         else:
             written_row = f"{tally.tensors} ({tally.quantized} quantized)"
@@ -244,8 +245,9 @@ def run(arch: Architecture, *, checkpoint: Optional[str], recipe: Optional[str],
             rows.append(("error report", f"not made: --backend {backend} quantizes by itself"))
         if source.from_gguf:
             rows.insert(1, ("input", f"GGUF {checkpoint}"))
-        if tally.quantized_weights:
-            result["bits_per_weight"] = tally.quantized_bits / tally.quantized_weights
+        if tally.quantized_weights:  # the quantized weights as the backend wrote them
+            result.update(bits_per_weight=tally.quantized_bits / tally.quantized_weights,
+                          quantized_weights=tally.quantized_weights)
         result.update({"bundle": written, "tensors": tally.tensors, "quantized": tally.quantized,
                        "bytes_in": tally.bytes_in, "bytes_out": tally.bytes_out, "progress_total": len(names)})
         failure = None

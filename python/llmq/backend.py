@@ -86,7 +86,9 @@ class Backend(Protocol):
     Optional attribute ``streams_row_blocks`` (default False): True where write() also takes
     tensors carried as row blocks (llmq.quant.chunked: RowBlocks, QuantizedRowBlocks), which
     the pipeline then sends for large tensors so its memory stays one block.
-    Optional methods, looked up with getattr: ``check(job)`` refuses a job before any work
+    Optional methods, looked up with getattr: ``written_bits(path) -> (bits, weights)`` (a
+    takes_float backend: what it wrote for the weights it quantized, counted by its `storage`, for
+    the run's summary); ``check(job)`` refuses a job before any work
     (BackendError, one line); ``summary(path, job) -> rows`` extra summary rows;
     ``check_consumer(path, job, reference, quantized, prompt) -> (rows, dict)`` loads the folder
     as its consumer does and compares its logits for `prompt` [1, T] with our unquantized

@@ -12,6 +12,7 @@ default, what vLLM and TensorRT-LLM load).
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
@@ -20,6 +21,7 @@ import torch
 
 from llmq.backend import WriteJob, register_backend
 from llmq.quant.formats import format_names, get_format
+from llmq.quant.storage import Storage
 
 _PER_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.\d+\.(?P<leaf>gate_proj|up_proj|down_proj)$")
 
@@ -79,6 +81,38 @@ def read_folder(path: str) -> Dict[str, torch.Tensor]:
     return tensors
 
 
+def hf_storage(config: Any, style: str) -> Storage:
+    """What the folder holds for a weight quantized with `config`: the export spec's tensors
+    (llmq.export.WeightExportSpec.tensor_dtypes / tensor_shapes: codes, scales, global scales, zero
+    points, the weight shape), once per expert for stacked experts. Integer scales are float32."""
+    from llmq.export import make_spec
+
+    spec = make_spec("weight", config, style=style)
+
+    def tensors(scale_dtype: torch.dtype, shape):
+        *lead, n, k = shape
+        copies = math.prod(lead)
+        shapes = spec.tensor_shapes(n, k)
+        return {role: (dtype, (copies,) + tuple(shapes[role])) for role, dtype in spec.tensor_dtypes().items()}
+
+    return Storage(scale_dtype=torch.float32, tensors=tensors)
+
+
+def _count_written(stream: Iterable[Tuple[str, Any]], lookup: Callable[[str], Any], style: str, into: List[int]):
+    """Pass the HF stream through, adding to `into` [bits, weights] what the export writes for each
+    weight it quantizes (every 2-D `.weight` and each expert of fused experts the recipe gives a config)."""
+    from llmq.export import iter_module_weights
+
+    for name, tensor in stream:
+        probe = torch.empty(tuple(tensor.shape), dtype=torch.float32, device="meta")  # shapes only
+        for module, part in iter_module_weights([(name, probe)]):
+            config = lookup(module)
+            if config is not None:
+                into[0] += hf_storage(config, style).bits(tuple(part.shape))
+                into[1] += part.numel()
+        yield name, tensor
+
+
 class HfExportBackend:
     takes_float = True
     streams_row_blocks = True  # write_hf_quantized_checkpoint quantizes and writes row blocks block by block
@@ -86,6 +120,14 @@ class HfExportBackend:
     def __init__(self, style: str, name: str, description: str):
         self.style, self.name, self.description = style, name, description
         self._summaries: Dict[str, Any] = {}
+        self._written: Dict[str, Tuple[int, int]] = {}
+
+    def storage(self, config: Any, job: Optional[WriteJob]) -> Storage:
+        return hf_storage(config, self.style)
+
+    def written_bits(self, path: str) -> Tuple[int, int]:
+        """(bits, weights) of the weights the export quantized into `path` (counted by `storage`)."""
+        return self._written.pop(path, (0, 0))
 
     @property
     def accepts_formats(self) -> Tuple[str, ...]:
@@ -98,11 +140,14 @@ class HfExportBackend:
         from llmq.export import write_hf_quantized_checkpoint
 
         extra = [f for f in job.source_files if os.path.basename(f) != "config.json"]  # config.json: written here
+        written = [0, 0]
+        lookup = recipe_lookup(job)
         summary = write_hf_quantized_checkpoint(
-            job.out, hf_stream(stream, job), recipe_lookup(job), style=self.style,
+            job.out, _count_written(hf_stream(stream, job), lookup, self.style, written), lookup, style=self.style,
             config=_text_config(job.hf_config), max_shard_bytes=job.max_shard_bytes, extra_files=extra,
             resume=job.resume, add_files=job.add_files)
         self._summaries[summary.folder] = summary
+        self._written[summary.folder] = (written[0], written[1])
         return summary.folder
 
     def summary(self, path: str, job: WriteJob) -> List[Tuple[str, str]]:

@@ -55,12 +55,14 @@ def mlx_stream(items: Iterable[Tuple[str, Value]], naming, float_dtype: Optional
 
 def mlx_scale_dtype(hf_config: Optional[dict]) -> torch.dtype:
     """The dtype MLX folders hold scales and biases in: the model's dtype as mlx-lm's convert takes
-    it (config.json "torch_dtype", else text_config's "dtype"): bfloat16 for a bfloat16 model, float16
-    otherwise (mlx-lm keeps float32 for a float32 model; llmq writes 16 bits there too)."""
+    it (config.json "torch_dtype", else text_config's "dtype"): float16 for a float16 or float32 model
+    (mlx-lm keeps float32 scales for a float32 model; llmq writes 16 bits there too), bfloat16 for a
+    bfloat16 model and where the config names no dtype (mlx-lm then keeps the checkpoint's, bfloat16
+    for today's checkpoints)."""
     hf_config = hf_config or {}
     text = hf_config.get("text_config") if isinstance(hf_config.get("text_config"), dict) else {}
     name = hf_config.get("torch_dtype") or hf_config.get("dtype") or text.get("dtype") or text.get("torch_dtype")
-    return torch.bfloat16 if str(name).replace("torch.", "") == "bfloat16" else torch.float16
+    return torch.float16 if str(name).replace("torch.", "") in ("float16", "float32") else torch.bfloat16
 
 
 def mlx_storage(config: Any, scale_dtype: torch.dtype) -> Storage:
