@@ -38,7 +38,8 @@ flags.DEFINE_float("verify_min_cosine", 0.9, "--verify fails below this logits c
 flags.DEFINE_boolean("verify_warn_only", False, "A failed --verify only warns: the run exits 0 and the output stays "
                      "at --out.")
 flags.DEFINE_integer("seed", 0, "Seed of the embedded default model and of the verification prompt.")
-flags.DEFINE_boolean("list_recipes", False, "Print the recipe presets and exit.")
+flags.DEFINE_boolean("list_recipes", False, "Print the recipe presets, with the bits per weight each format takes as "
+                     "--backend writes it, and exit.")
 flags.DEFINE_boolean("use_moe_quantized_op", False, "Verify with the MoE blocks running through "
                      "torch.ops.llmq.quantized_moe_ffn (the fused C++ kernel) instead of eager PyTorch.")
 flags.DEFINE_boolean("error_report", None, "Write quant_error.csv/.md/.png into the output (per quantized tensor: "
@@ -72,7 +73,11 @@ def main_for(arch: Architecture, others: Sequence[Architecture] = ()) -> None:
             print(f"error: unexpected arguments {argv[1:]} (flags are --name=value)", file=sys.stderr)
             return 2
         if FLAGS.list_recipes:
-            print(list_recipes(arch))
+            try:
+                print(list_recipes(arch, FLAGS.backend))
+            except UsageError as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 2
             return 0
         progress = sys.stderr.isatty() if FLAGS.progress is None else FLAGS.progress
         try:
@@ -119,9 +124,36 @@ def cli_wording(message: str) -> str:
     return message
 
 
-def list_recipes(arch: Architecture) -> str:
+NOMINAL_K = 4096  # --list_recipes states bits per weight for rows of this many weights
+
+
+def written_bits_per_weight(storage, config) -> float:
+    """Bits per weight `storage` (a backend's, llmq.quant.storage) writes for an [8, NOMINAL_K] matrix
+    quantized with `config`, scales and per-tensor extras included."""
+    import dataclasses
+
+    import torch
+
+    from llmq.quant import quantize_weight
+
+    stored = storage(config)
+    if config.format == "int":
+        config = dataclasses.replace(config, scale_dtype=stored.scale_dtype, method="minmax")
+    shape = (8, NOMINAL_K)
+    return stored.bits(shape, quantize_weight(torch.zeros(shape), config)) / (8 * NOMINAL_K)
+
+
+def list_recipes(arch: Architecture, backend: str = "bundle") -> str:
     """--list_recipes: every preset name with what it does (the recipe file's description, or a
-    summary of the rules for llmq's generic presets)."""
+    summary of the rules for llmq's generic presets) and the bits per weight each of its formats
+    takes as `backend` writes it (scales included; for a NOMINAL_K-wide matrix)."""
+    from llmq.backend import get_backend, storage_of
+
+    try:
+        writer = get_backend(backend)
+    except ValueError as e:
+        raise UsageError(f"--backend: {e}") from None
+    storage = storage_of(writer)
     presets = all_presets(arch.presets)
     width = max(len(n) for n in presets)
     lines = []
@@ -131,6 +163,15 @@ def list_recipes(arch: Architecture) -> str:
             about = "generic llmq preset: " + "; ".join(
                 f"{r.pattern}{'' if r.layers is None else f' layers {list(r.layers)}'} -> "
                 f"{r.config.describe() if r.config is not None else 'kept'}" for r in presets[name].rules)
+        configs = list(dict.fromkeys(r.config for r in presets[name].rules if r.config is not None))
+        sizes = []
+        for config in configs:
+            if config.format in writer.accepts_formats:
+                sizes.append(f"{config.describe()} {written_bits_per_weight(storage, config):.2f}")
+            else:
+                sizes.append(f"{config.describe()} not written by --backend {backend}")
+        if sizes:
+            about += f" [bits per weight as --backend {backend} writes them: {', '.join(sizes)}]"
         lines.append(f"{name:<{width}}  {about}")
     return "\n".join(lines)
 

@@ -203,3 +203,10 @@ def test_list_recipes_prints_descriptions(tmp_path):
                            "mixed.json")) as f:
         assert json.load(f)["description"] in lines["mixed"]
     assert "int4-asym" in lines and "->" in lines["int4-asym"]  # generic presets: their rules summarised
+    # each format's bits per weight as the backend writes it: the bundle's float32 scale and bias per
+    # group of 32 (4 + 2), an MLX folder's 16-bit pair (4 + 1)
+    assert "[bits per weight as --backend bundle writes them: int4 g32 sym 6.00]" in lines["int4"]
+    code, stdout, _ = run_main(QWEN, [], ["--list_recipes", "--backend=mlx"], tmp_path)
+    lines = {line.split()[0]: line for line in stdout.splitlines() if line.strip()}
+    assert code == 0 and "int4 g32 sym 5.00]" in lines["int4"] and "int8 g32 sym 9.00, int4 g32 sym 5.00]" in lines["mixed"]
+    assert "nvfp4 g16 not written by --backend mlx" in lines["nvfp4"]
