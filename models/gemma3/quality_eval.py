@@ -14,8 +14,9 @@ multiply up_proj's rows and divide down_proj's columns. The script checks and pr
 facts: how much the logits moved, and how many int4 groups of 32 still lie on a grid.
 
 Each variant quantizes the seven projection matrices of every layer (embeddings stay float,
-as in the llama.cpp runs, made with --token-embedding-type f32); `bpw` counts their stored
-bits with 16-bit scales (and zero points where asymmetric), as MLX and GGUF store them.
+as in the llama.cpp runs, made with --token-embedding-type f32); `bpw` counts their bits as
+--backend (default mlx: a 16-bit scale and bias per group) writes them, and every llmq variant is
+quantized with the scale dtype that backend writes.
 On --tokens of the held text (non-overlapping windows of --window tokens) it reports, against
 the reference: mean KL(reference || variant) of the next-token distribution, perplexity, and
 top-1 agreement. The calibration text (a different file) feeds the importance statistics
@@ -36,7 +37,6 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from llmq.quant.budget import stored_bits
 
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -150,18 +150,23 @@ class Evaluator:
 
 
 def llmq_variant(tensors: Dict[str, torch.Tensor], names: List[str], recipe_for: Callable[[str], object],
+                 storage: Callable[[object], object],
                  importance: Optional[Dict[str, torch.Tensor]] = None) -> Tuple[Dict[str, torch.Tensor], float]:
-    """Quantize then dequantize every projection; (dequantized weights, bits per weight)."""
+    """Quantize (with the scale dtype `storage`, a backend's declaration, writes) then dequantize every
+    projection; (dequantized weights, bits per weight as that backend writes them)."""
+    import dataclasses
+
     from llmq.quant import dequantize, quantize_weight
     from llmq.quant.quantize import takes_importance
 
     out, bits, count = {}, 0, 0
     for n in names:
-        config = recipe_for(n)
+        stored = storage(recipe_for(n))
+        config = dataclasses.replace(recipe_for(n), scale_dtype=stored.scale_dtype)
         imp = importance[n] if importance is not None and takes_importance(config) else None
         q = quantize_weight(tensors[n], config, name=n, importance=imp)
         out[n] = dequantize(q, torch.float32)
-        bits += stored_bits(q, config)
+        bits += stored.bits(tuple(tensors[n].shape), q)
         count += tensors[n].numel()
     return out, bits / count
 
@@ -199,10 +204,16 @@ def main(argv=None) -> int:
     parser.add_argument("--llama_cpp", action="append", default=[], help="NAME=FILE.gguf from llama-quantize.")
     parser.add_argument("--variants", default="rtn,search,hqq,search-imatrix,imatrix,imatrix-g64,budget,budget-rel,int8",
                         help="Comma-separated llmq variants to run.")
+    parser.add_argument("--backend", default="mlx",
+                        help="Count bits per weight as this backend writes them (and quantize with its scale dtype).")
     parser.add_argument("--budget_bits_per_weight", default="4.5",
                         help="Comma-separated budgets; variant 'budget' runs one per value (budget@<bpw>).")
     args = parser.parse_args(argv)
     torch.manual_seed(args.seed)
+    import backends.registered  # noqa: F401  every backend's storage declaration
+    from llmq.backend import get_backend, storage_of
+
+    storage = storage_of(get_backend(args.backend))
 
     from llmq.quant import GroupQuantizedWeight
     from llmq.quant.formats import dequantize_canonical
@@ -274,15 +285,15 @@ def main(argv=None) -> int:
     for name in wanted:
         t0 = time.time()
         if name in simple:
-            variants[name], bpw[name] = llmq_variant(reference, names, lambda n, c=simple[name]: c)
+            variants[name], bpw[name] = llmq_variant(reference, names, lambda n, c=simple[name]: c, storage)
         elif name == "search-imatrix":  # the error search minimising the importance-weighted error
             qconfig = QuantConfig(bits=4, group_size=32, symmetric=True, method="search")
-            variants[name], bpw[name] = llmq_variant(reference, names, lambda n, c=qconfig: c,
+            variants[name], bpw[name] = llmq_variant(reference, names, lambda n, c=qconfig: c, storage,
                                                      importance={n: importance[n[: -len(".weight")]] for n in names})
         elif name in ("imatrix", "imatrix-g64"):  # HQQ minimising the importance-weighted error
             qconfig = simple["hqq"] if name == "imatrix" else QuantConfig(bits=4, group_size=64, symmetric=False,
                                                                            method="hqq")
-            variants[name], bpw[name] = llmq_variant(reference, names, lambda n, c=qconfig: c,
+            variants[name], bpw[name] = llmq_variant(reference, names, lambda n, c=qconfig: c, storage,
                                                      importance={n: importance[n[: -len(".weight")]] for n in names})
         elif name in ("budget", "budget-rel"):
             from llmq.quant.budget import choose, measure_options
@@ -295,7 +306,7 @@ def main(argv=None) -> int:
                     QuantConfig(bits=b, group_size=g, symmetric=False, method="hqq")
                     for b, g in ((3, 32), (4, 128), (4, 64), (4, 32), (5, 32))]
             options = {n: measure_options(n, reference[n], candidates, importance=importance[n[: -len(".weight")]],
-                                          relative=name == "budget-rel")
+                                          relative=name == "budget-rel", storage=storage)
                        for n in names}
             for budget in (float(b) for b in args.budget_bits_per_weight.split(",")):
                 choice = choose(options, {n: reference[n].numel() for n in names}, budget)
@@ -305,7 +316,7 @@ def main(argv=None) -> int:
                     counts[c.describe()] = counts.get(c.describe(), 0) + 1
                 print(f"{name} {budget}: {counts}", flush=True)
                 key = f"{name}@{budget:g}"
-                variants[key], bpw[key] = llmq_variant(reference, names, lambda n: chosen[n],
+                variants[key], bpw[key] = llmq_variant(reference, names, lambda n: chosen[n], storage,
                                                        importance={n: importance[n[: -len(".weight")]] for n in names})
             continue
         else:
