@@ -6,6 +6,7 @@ Each model package's binary calls `main_for(ARCHITECTURE)`. --backend takes any 
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from typing import Sequence
@@ -124,11 +125,11 @@ def cli_wording(message: str) -> str:
     return message
 
 
-NOMINAL_K = 4096  # --list_recipes states bits per weight for rows of this many weights
+NOMINAL_SHAPE = (256, 4096)  # --list_recipes states bits per weight for a matrix of this shape
 
 
 def written_bits_per_weight(storage, config) -> float:
-    """Bits per weight `storage` (a backend's, llmq.quant.storage) writes for an [8, NOMINAL_K] matrix
+    """Bits per weight `storage` (a backend's, llmq.quant.storage) writes for a NOMINAL_SHAPE matrix
     quantized with `config`, scales and per-tensor extras included."""
     import dataclasses
 
@@ -139,14 +140,13 @@ def written_bits_per_weight(storage, config) -> float:
     stored = storage(config)
     if config.format == "int":
         config = dataclasses.replace(config, scale_dtype=stored.scale_dtype, method="minmax")
-    shape = (8, NOMINAL_K)
-    return stored.bits(shape, quantize_weight(torch.zeros(shape), config)) / (8 * NOMINAL_K)
+    return stored.bits(NOMINAL_SHAPE, quantize_weight(torch.zeros(NOMINAL_SHAPE), config)) / math.prod(NOMINAL_SHAPE)
 
 
 def list_recipes(arch: Architecture, backend: str = "bundle") -> str:
     """--list_recipes: every preset name with what it does (the recipe file's description, or a
     summary of the rules for llmq's generic presets) and the bits per weight each of its formats
-    takes as `backend` writes it (scales included; for a NOMINAL_K-wide matrix)."""
+    takes as `backend` writes it (scales included; for a NOMINAL_SHAPE matrix)."""
     from llmq.backend import get_backend, storage_of
 
     try:
