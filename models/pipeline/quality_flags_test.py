@@ -97,7 +97,9 @@ def test_bad_calibration_text_and_budget_are_one_line(tmp_path):
         _run(tmp_path, "b", calibration_text=str(tmp_path / "missing.txt"))
     with pytest.raises(UsageError, match=r"--budget_bits_per_weight: budget 1.5 bits per weight is below"):
         _run(tmp_path, "c", budget_bits_per_weight=1.5)
-    assert not os.path.exists(tmp_path / "a") and not os.path.exists(tmp_path / "c")  # nothing written
+    with pytest.raises(UsageError, match=r"--budget_bits_per_weight: --backend hf-modelopt writes no integer format"):
+        _run(tmp_path, "d", recipe="nvfp4", backend="hf-modelopt", budget_bits_per_weight=4.5)
+    assert not any(os.path.exists(tmp_path / d) for d in "acd")  # nothing written
 
 
 def test_calibration_weights_search_rules_and_leaves_minmax_alone(tmp_path):

@@ -157,6 +157,9 @@ def run(arch: Architecture, *, checkpoint: Optional[str], recipe: Optional[str],
         recipe_label = recipe_name
         budget = None
         if budget_bits_per_weight is not None:
+            if "int" not in writer.accepts_formats:  # the candidates are integer formats
+                raise UsageError(f"--budget_bits_per_weight: --backend {backend} writes no integer format "
+                                 f"(it takes {', '.join(writer.accepts_formats)})")
             print(f"budget: measuring every candidate format of every matrix ({budget_method}; "
                   f"{budget_bits_per_weight} bits per weight)", flush=True)
             budget = choose_recipe(model_stream, quant_recipe, arch.num_layers(config), budget_bits_per_weight,
