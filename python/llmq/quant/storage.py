@@ -31,8 +31,8 @@ import torch
 Shape = Tuple[int, ...]
 Tensors = Dict[str, Tuple[torch.dtype, Shape]]
 
-# Bits of one element of each dtype a backend writes (torch's own, so sub-byte dtypes read as packed words).
 def element_bits(dtype: torch.dtype) -> int:
+    """Bits of one element of a dtype a backend writes (uint8 words for packed sub-byte codes)."""
     return torch.empty((), dtype=dtype).element_size() * 8
 
 
@@ -65,8 +65,10 @@ class Storage:
 
     def bits(self, shape: Shape, value: Any = None) -> int:
         """Bits on disk of one weight of logical `shape` (see `layout`)."""
-        if self.tensors is None and value is not None and not hasattr(value, "qdata") and hasattr(value, "nbytes"):
-            return value.nbytes * 8  # a quantized weight carried as row blocks (llmq.quant.chunked)
+        from llmq.quant.chunked import QuantizedRowBlocks
+
+        if self.tensors is None and isinstance(value, QuantizedRowBlocks):
+            return value.nbytes * 8  # carried as row blocks: the canonical tensors it will store
         return sum(element_bits(d) * math.prod(s) for d, s in self.layout(shape, value).values())
 
 
