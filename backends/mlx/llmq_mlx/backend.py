@@ -68,8 +68,9 @@ def mlx_scale_dtype(hf_config: Optional[dict]) -> torch.dtype:
 def mlx_storage(config: Any, scale_dtype: torch.dtype) -> Storage:
     """What an MLX folder holds for a weight quantized with `config`: uint32 words of codes, and a
     scale and a bias per MLX group (the largest of 32/64/128 the canonical group repeats) in
-    `scale_dtype`, for symmetric formats too; scales `scale_dtype` cannot hold exactly (a GGUF's
-    K-quant imported as it is) are written in float32."""
+    `scale_dtype`, for symmetric formats too; scales `scale_dtype` cannot hold exactly (a GGUF block
+    imported as it is) in the first of float16, float32 that does (the writer's WIDER_SCALE_DTYPES)."""
+    from llmq_mlx.mlx_lm_writer import WIDER_SCALE_DTYPES
     from llmq_mlx.regroup import mlx_group_size_for
 
     def tensors(dtype: torch.dtype, shape):
@@ -77,7 +78,7 @@ def mlx_storage(config: Any, scale_dtype: torch.dtype) -> Storage:
         group = mlx_group_size_for(config.group_size_for(k), k)
         return group_tensors(config.bits, group, code_dtype=torch.uint32)(dtype, shape)
 
-    return Storage(scale_dtype=scale_dtype, tensors=tensors, widen_to=torch.float32)
+    return Storage(scale_dtype=scale_dtype, tensors=tensors, widen_to=WIDER_SCALE_DTYPES)
 
 
 def write_mlx_folder(out: str, items: Iterable[Tuple[str, Value]], hf_config: dict, model_config: Any, *,

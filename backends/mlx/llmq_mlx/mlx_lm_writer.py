@@ -5,7 +5,8 @@ pipelines own the HF -> MLX key maps, e.g. qwen3_5_moe's conv1d [C, K, 1] and +1
 
 * `value` a torch.Tensor: written as is (kept in high precision);
 * `value` an `MLXQuantizedWeight` (or a canonical `GroupQuantizedWeight`, packed here
-  with scales and biases in `scale_dtype` where it holds them exactly, else float32):
+  with scales and biases in `scale_dtype` where it holds them exactly, else in the first of
+  WIDER_SCALE_DTYPES that does: a GGUF Q4_0's float16 scales stay 16-bit):
   `mlx_name` is the weight's name,
   `<module>.weight` (or just `<module>`), and `<module>.weight/.scales/.biases` are written.
 
@@ -42,11 +43,13 @@ from llmq.checkpoint.fileio import copy_file, write_error, write_file_atomic
 from llmq.checkpoint.shard_file import ShardRotation, StreamingShardFile, hf_shard_names
 from llmq.checkpoint.workfolder import WorkFolder
 from llmq.quant.formats import GroupQuantizedWeight
-from llmq.quant.storage import holds_scales
+from llmq.quant.storage import narrowest_exact
 
 from .affine import MLXQuantizedWeight, pack_mlx_affine
 
 DEFAULT_MAX_SHARD_BYTES = 5 << 30  # mlx-lm's own shard size
+# Scales a weight's scale dtype cannot hold exactly are written in the first of these that does.
+WIDER_SCALE_DTYPES = (torch.float16, torch.float32)
 TensorLike = Union[torch.Tensor, MLXQuantizedWeight, GroupQuantizedWeight]
 
 
@@ -186,8 +189,9 @@ def write_mlx_lm_folder(
         kept = []
         for name, value in tensors:
             if isinstance(value, GroupQuantizedWeight):
-                exact = holds_scales(value, scale_dtype)  # a weight quantized for it; else (a GGUF K-quant) float32
-                value = pack_mlx_affine(value, name=name, scale_dtype=scale_dtype if exact else torch.float32)
+                # a weight quantized for scale_dtype holds it; an imported one (a GGUF block) may need wider
+                dtype = narrowest_exact(value, (scale_dtype,) + WIDER_SCALE_DTYPES)
+                value = pack_mlx_affine(value, name=name, scale_dtype=dtype)
             if isinstance(value, MLXQuantizedWeight):
                 module = _module_path(name)
                 for key, t in value.named_tensors(module).items():

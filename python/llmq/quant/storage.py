@@ -15,9 +15,9 @@ A declaration says, for one QuantConfig:
   logical ``shape`` (codes packed into words, scales, biases or packed zero points, per-tensor extras;
   a block type of fixed bytes per block is one uint8 tensor of blocks x bytes). None: the weight's
   canonical container as it is (the llmq bundle): its `stored` tensors.
-* ``widen_to``: a weight whose scales and biases ``scale_dtype`` cannot hold exactly (a GGUF K-quant
-  imported exactly, never a weight the run quantized) is written with scales of this dtype instead;
-  None where the backend never widens.
+* ``widen_to``: a weight whose scales and biases ``scale_dtype`` cannot hold exactly (a GGUF block
+  imported exactly, never a weight the run quantized) is written with scales of the first of these
+  dtypes that holds them; () where the backend never widens.
 """
 
 from __future__ import annotations
@@ -42,14 +42,14 @@ class Storage:
 
     scale_dtype: torch.dtype = torch.float32
     tensors: Optional[Callable[[torch.dtype, Shape], Tensors]] = None
-    widen_to: Optional[torch.dtype] = None
+    widen_to: Tuple[torch.dtype, ...] = ()
 
     def written_scale_dtype(self, value: Any = None) -> torch.dtype:
-        """The dtype `value`'s scales are written in: scale_dtype, or widen_to where scale_dtype
-        cannot hold them exactly."""
-        if self.widen_to is not None and value is not None and not holds_scales(value, self.scale_dtype):
-            return self.widen_to
-        return self.scale_dtype
+        """The dtype `value`'s scales are written in: scale_dtype, or the first of widen_to that holds
+        them exactly where scale_dtype cannot."""
+        if value is None or not self.widen_to:
+            return self.scale_dtype
+        return narrowest_exact(value, (self.scale_dtype,) + tuple(self.widen_to))
 
     def layout(self, shape: Shape, value: Any = None) -> Tensors:
         """role -> (dtype, shape) of what is written for a weight of logical `shape` (`value`: the
@@ -82,6 +82,11 @@ def holds_scales(value: Any, dtype: torch.dtype) -> bool:
     if not isinstance(scale, torch.Tensor) or not isinstance(bias, torch.Tensor) or dtype == torch.float32:
         return True
     return all(torch.equal(t.to(dtype).to(t.dtype), t) for t in (scale, bias))
+
+
+def narrowest_exact(value: Any, dtypes: Tuple[torch.dtype, ...]) -> torch.dtype:
+    """The first of `dtypes` that holds `value`'s scales and biases exactly (the last if none does)."""
+    return next((d for d in dtypes if holds_scales(value, d)), dtypes[-1])
 
 
 def group_tensors(bits: int, group_size: Optional[int], *, code_dtype: torch.dtype = torch.uint8,
