@@ -18,7 +18,6 @@ puts them in its work folder (WriteJob.add_files) before its one publish, so a f
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import os
 import shutil
