@@ -34,53 +34,55 @@ LAYERS_27B = 62
 
 def hf_config_from_gguf(metadata: Dict[str, Any], tensors: GGUFTensors) -> Dict[str, Any]:
     """An HF ``gemma3_text`` config.json dict from the GGUF metadata (ValueError names what is missing)."""
-    m = Metadata(metadata, GGUF_ARCH)
-    num_layers = int(m.get("block_count"))
-    pattern = m.get("attention.sliding_window_pattern", SLIDING_WINDOW_PATTERN)
-    if isinstance(pattern, (int, float)):
-        swa = [bool((i + 1) % int(pattern)) for i in range(num_layers)]
+    m = Metadata(metadata, GGUF_ARCH, tensors)
+    num_layers = m.layers()
+    if m.is_array("attention.sliding_window_pattern"):
+        swa = m.flags("attention.sliding_window_pattern", num_layers)
     else:
-        swa = [bool(x) for x in pattern]
-    if len(swa) != num_layers:
-        raise ValueError(f"GGUF gemma3: sliding_window_pattern has {len(swa)} entries for {num_layers} blocks")
-    hidden = int(m.get("embedding_length"))
-    heads = int(m.scalar("attention.head_count"))
-    head_dim = int(m.get("attention.key_length", hidden // heads))
-    if int(m.get("attention.value_length", head_dim)) != head_dim:
+        pattern = m.count("attention.sliding_window_pattern", SLIDING_WINDOW_PATTERN)
+        swa = [bool((i + 1) % pattern) for i in range(num_layers)]
+    hidden = m.dim("embedding_length")
+    heads = m.dim_per_layer("attention.head_count")
+    head_dim = m.dim("attention.key_length", max(hidden // heads, 1))
+    if m.dim("attention.value_length", head_dim) != head_dim:
         raise ValueError(f"GGUF gemma3: attention.value_length {m.get('attention.value_length')} != key_length {head_dim}")
-    full_rope: Dict[str, Any] = {"rope_type": "default", "rope_theta": float(m.get("rope.freq_base", 1_000_000.0))}
-    scaling = m.get("rope.scaling.type", "none")
+    full_rope: Dict[str, Any] = {"rope_type": "default",
+                                 "rope_theta": m.number("rope.freq_base", 1_000_000.0, lo_open=True)}
+    scaling = m.text("rope.scaling.type", "none")
     if scaling == "linear":
-        full_rope.update(rope_type="linear", factor=float(m.get("rope.scaling.factor")))
-    elif scaling not in ("none", None):
+        full_rope.update(rope_type="linear", factor=m.number("rope.scaling.factor", lo_open=True))
+    elif scaling != "none":
         raise ValueError(f"GGUF gemma3: rope.scaling.type {scaling!r} (Gemma 3 uses none or linear)")
+    vocab = m.vocab_size()
     config = {
         "model_type": "gemma3_text",
-        "vocab_size": m.vocab_size(tensors),
+        "vocab_size": vocab,
         "hidden_size": hidden,
-        "intermediate_size": int(m.scalar("feed_forward_length")),
+        "intermediate_size": m.dim_per_layer("feed_forward_length"),
         "num_hidden_layers": num_layers,
         "num_attention_heads": heads,
-        "num_key_value_heads": int(m.scalar("attention.head_count_kv")),
+        "num_key_value_heads": m.dim_per_layer("attention.head_count_kv"),
         "head_dim": head_dim,
         "query_pre_attn_scalar": hidden // heads if num_layers == LAYERS_27B else head_dim,
-        "rms_norm_eps": float(m.get("attention.layer_norm_rms_epsilon")),
-        "sliding_window": int(m.get("attention.sliding_window")),
-        "final_logit_softcapping": m.get("final_logit_softcapping", None),
-        "attn_logit_softcapping": m.get("attn_logit_softcapping", None),
+        "rms_norm_eps": m.number("attention.layer_norm_rms_epsilon", hi=1.0),
+        "sliding_window": m.count("attention.sliding_window"),
+        "final_logit_softcapping": m.number("final_logit_softcapping", None, lo_open=True),
+        "attn_logit_softcapping": m.number("attn_logit_softcapping", None, lo_open=True),
         "tie_word_embeddings": "output.weight" not in tensors.shapes,
         "layer_types": ["sliding_attention" if s else "full_attention" for s in swa],
         "rope_parameters": {
-            "sliding_attention": {"rope_type": "default", "rope_theta": float(m.get("rope.freq_base_swa", 10_000.0))},
+            "sliding_attention": {"rope_type": "default",
+                                  "rope_theta": m.number("rope.freq_base_swa", 10_000.0, lo_open=True)},
             "full_attention": full_rope,
         },
-        "max_position_embeddings": int(m.get("context_length", 131072)),
+        "max_position_embeddings": m.count("context_length", 131072),
     }
     for key, hf_key in (("tokenizer.ggml.eos_token_id", "eos_token_id"), ("tokenizer.ggml.padding_token_id",
                                                                              "pad_token_id"),
                         ("tokenizer.ggml.bos_token_id", "bos_token_id")):
-        if key in metadata:
-            config[hf_key] = int(metadata[key])
+        token = m.token_id(key, vocab)
+        if token is not None:
+            config[hf_key] = token
     return config
 
 

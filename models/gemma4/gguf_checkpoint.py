@@ -40,60 +40,61 @@ _UNROTATED_FACTOR = 1e29
 
 def hf_config_from_gguf(metadata: Dict[str, Any], tensors: GGUFTensors) -> Dict[str, Any]:
     """An HF ``gemma4_text`` config.json dict from the GGUF metadata (ValueError names what is missing)."""
-    m = Metadata(metadata, GGUF_ARCH)
-    num_layers = int(m.get("block_count"))
-    if int(m.get("expert_count", 0)) > 0:
+    m = Metadata(metadata, GGUF_ARCH, tensors)
+    num_layers = m.layers()
+    if m.count("expert_count", 0, lo=0) > 0:
         raise ValueError("GGUF gemma4: expert_count > 0 (Gemma 4 MoE) is not supported; only the dense stack")
-    pattern = list(m.get("attention.sliding_window_pattern"))
-    if len(pattern) != num_layers:
-        raise ValueError(f"GGUF gemma4: sliding_window_pattern has {len(pattern)} entries for {num_layers} blocks")
+    pattern = m.flags("attention.sliding_window_pattern", num_layers)
     layer_types = ["sliding_attention" if swa else "full_attention" for swa in pattern]
     full = [not swa for swa in pattern]
-    head_dim_full = int(m.get("attention.key_length"))
-    head_dim_swa = int(m.get("attention.key_length_swa", head_dim_full))
-    rot_swa = int(m.get("rope.dimension_count_swa", head_dim_swa))
+    head_dim_full = m.dim("attention.key_length")
+    head_dim_swa = m.dim("attention.key_length_swa", head_dim_full)
+    rot_swa = m.dim("rope.dimension_count_swa", head_dim_swa)
     if rot_swa != head_dim_swa:
         raise ValueError(f"GGUF gemma4: rope.dimension_count_swa {rot_swa} != head dim {head_dim_swa} "
                          f"(partial RoPE on sliding layers is not supported)")
-    kv_swa = int(m.scalar("attention.head_count_kv", per_layer=pattern)) if any(pattern) else None
-    kv_full = int(m.scalar("attention.head_count_kv", per_layer=full))
+    kv_swa = m.dim_per_layer("attention.head_count_kv", per_layer=pattern) if any(pattern) else None
+    kv_full = m.dim_per_layer("attention.head_count_kv", per_layer=full) if any(full) else kv_swa
     k_eq_v = not any(f"blk.{i}.attn_v.weight" in tensors.shapes for i, t in enumerate(full) if t)
+    vocab = m.vocab_size()
     config = {
         "model_type": "gemma4_text",
-        "vocab_size": m.vocab_size(tensors),
-        "hidden_size": int(m.get("embedding_length")),
-        "intermediate_size": int(m.scalar("feed_forward_length")),
+        "vocab_size": vocab,
+        "hidden_size": m.dim("embedding_length"),
+        "intermediate_size": m.dim_per_layer("feed_forward_length"),
         "num_hidden_layers": num_layers,
-        "num_attention_heads": int(m.scalar("attention.head_count")),
+        "num_attention_heads": m.dim_per_layer("attention.head_count"),
         "num_key_value_heads": kv_swa if kv_swa is not None else kv_full,
         "head_dim": head_dim_swa,
         "global_head_dim": head_dim_full,
         "num_global_key_value_heads": kv_full,
         "attention_k_eq_v": k_eq_v,
         "per_layer_config": {"full_attention": {"head_dim": head_dim_full, "num_key_value_heads": kv_full}},
-        "rms_norm_eps": float(m.get("attention.layer_norm_rms_epsilon")),
-        "sliding_window": int(m.get("attention.sliding_window")),
-        "final_logit_softcapping": m.get("final_logit_softcapping", None),
-        "hidden_size_per_layer_input": int(m.get("embedding_length_per_layer_input", 0)),
-        "num_kv_shared_layers": int(m.get("attention.shared_kv_layers", 0)),
+        "rms_norm_eps": m.number("attention.layer_norm_rms_epsilon", hi=1.0),
+        "sliding_window": m.count("attention.sliding_window"),
+        "final_logit_softcapping": m.number("final_logit_softcapping", None, lo_open=True),
+        "hidden_size_per_layer_input": m.dim("embedding_length_per_layer_input", 0, lo=0),
+        "num_kv_shared_layers": m.count("attention.shared_kv_layers", 0, lo=0, hi=num_layers),
         "tie_word_embeddings": "output.weight" not in tensors.shapes,
         "layer_types": layer_types,
         "rope_parameters": {
             # llama.cpp defaults the sliding-layer base to 10000 when the key is absent, as we do.
-            "sliding_attention": {"rope_type": "default", "rope_theta": float(m.get("rope.freq_base_swa", 10_000.0))},
+            "sliding_attention": {"rope_type": "default",
+                                  "rope_theta": m.number("rope.freq_base_swa", 10_000.0, lo_open=True)},
             "full_attention": _full_rope(m, tensors, head_dim_full),
         },
-        "max_position_embeddings": int(m.get("context_length", 131072)),
+        "max_position_embeddings": m.count("context_length", 131072),
     }
     for key, hf_key in (("tokenizer.ggml.eos_token_id", "eos_token_id"), ("tokenizer.ggml.padding_token_id",
                                                                              "pad_token_id")):
-        if key in metadata:
-            config[hf_key] = int(metadata[key])
+        token = m.token_id(key, vocab)
+        if token is not None:
+            config[hf_key] = token
     return config
 
 
 def _full_rope(m: Metadata, tensors: GGUFTensors, head_dim: int) -> Dict[str, Any]:
-    theta = float(m.get("rope.freq_base"))
+    theta = m.number("rope.freq_base", lo_open=True)
     if ROPE_FREQS not in tensors.shapes:
         return {"rope_type": "default", "rope_theta": theta}
     factors = tensors.read(ROPE_FREQS)

@@ -8,56 +8,18 @@ test runs the real binary file in a fresh interpreter to prove the wiring.
 
 import json
 import os
-import signal
 import subprocess
 import sys
 
 import pytest
-import torch
 from safetensors.torch import load_file, save_file
 
 from models.gemma4.spec import ARCHITECTURE as GEMMA4
 from models.pipeline.default_model import write_default_checkpoint
-from models.pipeline.quantize_and_save import main_for
+from models.pipeline.cli_testing import run_main
 from models.qwen.spec import ARCHITECTURE as QWEN
 
 INDEX = "model.safetensors.index.json"
-
-
-def run_main(arch, others, args, tmp_path):
-    """main_for(arch) with argv `args` in a forked child: (exit status, stdout, stderr)."""
-    out_file, err_file = tmp_path / "child.stdout", tmp_path / "child.stderr"
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:  # child: never returns into pytest
-        code = 70
-        try:
-            with open(out_file, "wb") as o, open(err_file, "wb") as e:
-                os.dup2(o.fileno(), 1)
-                os.dup2(e.fileno(), 2)
-                sys.stdout = os.fdopen(1, "w", buffering=1)
-                sys.stderr = os.fdopen(2, "w", buffering=1)
-                sys.argv = ["quantize_and_save"] + list(args)
-                # The parent's OpenMP team does not survive fork(): one intra-op thread in the child.
-                torch.set_num_threads(1)
-                signal.alarm(300)  # a hang fails the case instead of the whole target
-                try:
-                    main_for(arch, others=others)
-                    code = 0
-                except SystemExit as exit_info:
-                    code = exit_info.code if isinstance(exit_info.code, int) else 1
-                except BaseException:
-                    import traceback
-
-                    traceback.print_exc()
-                    code = 71
-                sys.stdout.flush()
-                sys.stderr.flush()
-        finally:
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status), out_file.read_text(), err_file.read_text()
 
 
 @pytest.fixture(scope="module")

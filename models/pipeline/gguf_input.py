@@ -23,8 +23,11 @@ from __future__ import annotations
 
 import collections.abc
 import dataclasses
+import functools
+import math
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
+import numpy as np
 import torch
 
 from llmq.checkpoint import UnsupportedCheckpointError, iter_checkpoint
@@ -42,55 +45,182 @@ def is_gguf(path: Optional[str]) -> bool:
 @dataclasses.dataclass(frozen=True)
 class GGUFTensors:
     """What a config reader may look at besides the metadata: tensor shapes (torch order) and a
-    reader for small tensors (e.g. Gemma 4's rope_freqs)."""
+    reader for small tensors (e.g. Gemma 4's rope_freqs). ``blocks`` and ``largest_dim`` are the
+    bounds the metadata's counts and sizes are checked against (Metadata)."""
 
     shapes: Dict[str, Tuple[int, ...]]
     read: Callable[[str], Value]
 
+    @functools.cached_property
+    def blocks(self) -> int:
+        """How many distinct ``blk.N`` blocks the file holds tensors of."""
+        return len({name.split(".", 2)[1] for name in self.shapes
+                    if name.startswith("blk.") and name.split(".", 2)[1].isdigit()})
+
+    @functools.cached_property
+    def largest_dim(self) -> int:
+        """The largest dimension of any tensor in the file (0 if it holds none)."""
+        return max((d for shape in self.shapes.values() for d in shape), default=0)
+
+
+_INT_LIMIT = 1 << 31  # sizes with no tensor to bound them (context length, sliding window)
+_Number = Union[int, float]
+
 
 class Metadata:
-    """GGUF KV metadata of one architecture: ``m.get("block_count")`` reads ``<arch>.block_count``
-    and raises a ValueError naming the key when it is missing and has no default."""
+    """GGUF KV metadata of one architecture, read through typed, bounded accessors.
+
+    ``m.count("block_count", hi=tensors.blocks)`` reads ``<arch>.block_count`` and returns an int in
+    the bounds; a missing key without a default, a value of the wrong type (an array where a number
+    belongs, a string, a bool, NaN) or out of its bounds raises a one-line ValueError naming the
+    key, the value and what was expected. Sizes (``dim``) are bounded by the largest dimension of
+    any tensor the file holds, layer counts by the blocks it holds tensors of, so a hostile value
+    (block_count = 2^40, head_count = 0) stops here instead of in a loop, an allocation or a division."""
 
     _REQUIRED = object()
 
-    def __init__(self, metadata: Dict[str, Any], arch: str):
-        self.raw, self.arch = metadata, arch
+    def __init__(self, metadata: Dict[str, Any], arch: str, tensors: Optional[GGUFTensors] = None):
+        self.raw, self.arch, self.tensors = metadata, arch, tensors
         found = metadata.get("general.architecture")
         if found != arch:
-            raise ValueError(f"GGUF general.architecture is {found!r}; expected {arch!r}")
+            raise ValueError(f"GGUF general.architecture is {_short(found)}; expected {arch!r}")
+
+    def full_key(self, key: str) -> str:
+        return key if key.startswith(("general.", "tokenizer.")) else f"{self.arch}.{key}"
 
     def has(self, key: str) -> bool:
-        return f"{self.arch}.{key}" in self.raw
+        return self.full_key(key) in self.raw
+
+    def is_array(self, key: str) -> bool:
+        return _is_sequence(self.raw.get(self.full_key(key)))
 
     def get(self, key: str, default: Any = _REQUIRED) -> Any:
-        full = key if key.startswith(("general.", "tokenizer.")) else f"{self.arch}.{key}"
+        """The raw value (any type); prefer the typed accessors below."""
+        full = self.full_key(key)
         if full in self.raw:
             return self.raw[full]
         if default is Metadata._REQUIRED:
             raise ValueError(f"GGUF metadata has no {full!r}; it is needed to rebuild the config")
         return default
 
+    def _bad(self, key: str, value: Any, expected: str) -> ValueError:
+        return ValueError(f"GGUF metadata {self.full_key(key)!r} = {_short(value)}: expected {expected}")
+
+    def _int(self, key: str, value: Any, lo: int, hi: int, why: str) -> int:
+        if not _is_int(value):
+            raise self._bad(key, value, f"an integer in {lo}..{hi}{why}")
+        value = int(value)
+        if not lo <= value <= hi:
+            raise self._bad(key, value, f"an integer in {lo}..{hi}{why}")
+        return value
+
+    def count(self, key: str, default: Any = _REQUIRED, *, lo: int = 1, hi: int = _INT_LIMIT, why: str = "") -> int:
+        """An integer in lo..hi (``why`` says where hi comes from)."""
+        if not self.has(key) and default is not Metadata._REQUIRED:
+            return default
+        return self._int(key, self.get(key), lo, hi, why)
+
+    def layers(self, key: str = "block_count", *, extra: int = 0) -> int:
+        """A layer count: 1..the blocks the file holds tensors of (+ extra)."""
+        return self.count(key, hi=self._blocks() + extra,
+                          why=f" (the file holds tensors of {self._blocks()} blk.N blocks)")
+
+    def dim(self, key: str, default: Any = _REQUIRED, *, lo: int = 1) -> int:
+        """A size or a head count: lo..the largest dimension of any tensor in the file."""
+        largest = self._largest()
+        return self.count(key, default, lo=lo, hi=max(largest, lo),
+                          why=f" (the largest tensor dimension in the file is {largest})")
+
+    def number(self, key: str, default: Any = _REQUIRED, *, lo: float = 0.0, hi: float = float("inf"),
+               lo_open: bool = False) -> Optional[float]:
+        """A finite number in [lo, hi] ((lo, hi] with lo_open); a None default passes through."""
+        if not self.has(key) and default is not Metadata._REQUIRED:
+            return default
+        value = self.get(key)
+        bound = f"a finite number {'>' if lo_open else '>='} {lo:g}" + ("" if hi == float("inf") else f" and <= {hi:g}")
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+            raise self._bad(key, value, bound)
+        value = float(value)
+        if not (math.isfinite(value) and (value > lo if lo_open else value >= lo) and value <= hi):
+            raise self._bad(key, value, bound)
+        return value
+
+    def text(self, key: str, default: Any = _REQUIRED) -> Optional[str]:
+        if not self.has(key) and default is not Metadata._REQUIRED:
+            return default
+        value = self.get(key)
+        if not isinstance(value, str):
+            raise self._bad(key, value, "a string")
+        return value
+
+    def flags(self, key: str, n: int) -> List[bool]:
+        """A per-layer array of n booleans (or 0/1 integers)."""
+        value = self.get(key)
+        if not _is_sequence(value) or len(value) != n:
+            raise self._bad(key, value, f"an array of {n} booleans (one per block)")
+        out = []
+        for v in value:
+            if not (isinstance(v, bool) or (_is_int(v) and int(v) in (0, 1))):
+                raise self._bad(key, value, f"an array of {n} booleans (one per block)")
+            out.append(bool(v))
+        return out
+
     def scalar(self, key: str, default: Any = _REQUIRED, *, per_layer: Optional[Sequence[bool]] = None) -> Any:
         """A value llama.cpp may store per layer as an array: must be uniform (or uniform over the
-        layers `per_layer` selects)."""
+        layers `per_layer` selects). Raw; ``dim_per_layer`` is the typed form."""
         value = self.get(key, default)
-        if isinstance(value, collections.abc.Sequence) and not isinstance(value, str):
+        if _is_sequence(value):
             chosen = list(value) if per_layer is None else [v for v, keep in zip(value, per_layer) if keep]
-            if len(set(chosen)) != 1:
-                raise ValueError(f"GGUF {self.arch}.{key} varies across layers ({list(value)}); not supported")
+            if not chosen or not all(isinstance(v, collections.abc.Hashable) for v in chosen) or len(set(chosen)) != 1:
+                raise ValueError(f"GGUF {self.full_key(key)} = {_short(value)} varies across layers (or is empty); "
+                                 f"expected one value")
             return chosen[0]
         return value
 
-    def vocab_size(self, tensors: GGUFTensors) -> int:
+    def dim_per_layer(self, key: str, *, per_layer: Optional[Sequence[bool]] = None, lo: int = 1) -> int:
+        """``dim`` of a value llama.cpp may store per layer (see ``scalar``)."""
+        value = self.scalar(key, per_layer=per_layer)
+        largest = self._largest()
+        return self._int(key, value, lo, max(largest, lo), f" (the largest tensor dimension in the file is {largest})")
+
+    def token_id(self, key: str, vocab: int) -> Optional[int]:
+        """A tokenizer.ggml.*_token_id: None when absent, else an integer in 0..vocab-1."""
+        if not self.has(key):
+            return None
+        return self._int(key, self.get(key), 0, vocab - 1, " (the vocabulary)")
+
+    def vocab_size(self, tensors: Optional[GGUFTensors] = None) -> int:
+        tensors = tensors or self.tensors
         if self.has("vocab_size"):
-            return int(self.get("vocab_size"))
-        if "token_embd.weight" in tensors.shapes:
+            return self.dim("vocab_size") if tensors is not None else self.count("vocab_size")
+        if tensors is not None and "token_embd.weight" in tensors.shapes:
             return int(tensors.shapes["token_embd.weight"][0])
         tokens = self.raw.get("tokenizer.ggml.tokens")  # len() does not decode a lazy GGUFArray
-        if tokens is not None and len(tokens):
+        if _is_sequence(tokens) and len(tokens):
             return len(tokens)
         raise ValueError("GGUF: vocabulary size unknown (no vocab_size key, token_embd.weight or token list)")
+
+    def _blocks(self) -> int:
+        return self.tensors.blocks if self.tensors is not None else _INT_LIMIT
+
+    def _largest(self) -> int:
+        return self.tensors.largest_dim if self.tensors is not None else _INT_LIMIT
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _is_sequence(value: Any) -> bool:
+    return isinstance(value, collections.abc.Sequence) and not isinstance(value, (str, bytes))
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    """repr of a metadata value, cut to one short line (a hostile array may be huge)."""
+    if _is_sequence(value) and len(value) > 8:
+        return f"an array of {len(value)} elements"
+    text = repr(value).replace("\n", " ")
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 # ---- exact rearrangements of (possibly quantized) weights ------------------------------------

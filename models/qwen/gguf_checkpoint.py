@@ -54,46 +54,55 @@ _PAIR_TARGET = {half: target for pair, target in keymap.GGUF_EXPERT_PAIRS.items(
 
 def hf_config_from_gguf(metadata: Dict[str, Any], tensors: GGUFTensors) -> Dict[str, Any]:
     """An HF ``qwen3_5_moe_text`` config.json dict from the GGUF metadata (ValueError names what is missing)."""
-    m = Metadata(metadata, GGUF_ARCH)
-    mtp_layers = int(m.get("nextn_predict_layers", 0))
-    num_layers = int(m.get("block_count")) - mtp_layers
-    head_dim = int(m.get("attention.key_length"))
-    if int(m.get("attention.value_length", head_dim)) != head_dim:
+    m = Metadata(metadata, GGUF_ARCH, tensors)
+    mtp_layers = m.count("nextn_predict_layers", 0, lo=0)
+    num_layers = m.layers(extra=mtp_layers) - mtp_layers
+    if num_layers < 1:
+        raise ValueError(f"GGUF qwen35moe: block_count leaves {num_layers} text layers after "
+                         f"nextn_predict_layers = {mtp_layers}")
+    head_dim = m.dim("attention.key_length")
+    if m.dim("attention.value_length", head_dim) != head_dim:
         raise ValueError("GGUF qwen35moe: attention.value_length != key_length is not supported")
-    rotary = int(m.get("rope.dimension_count", head_dim))
-    interval = int(m.get("full_attention_interval"))
-    value_heads = int(m.get("ssm.time_step_rank"))
-    inner = int(m.get("ssm.inner_size"))
+    rotary = m.count("rope.dimension_count", head_dim, hi=head_dim, why=" (attention.key_length)")
+    interval = m.count("full_attention_interval")
+    value_heads = m.dim("ssm.time_step_rank")
+    key_heads = m.dim("ssm.group_count")
+    inner = m.dim("ssm.inner_size")
     if inner % value_heads:
         raise ValueError(f"GGUF qwen35moe: ssm.inner_size {inner} is not a multiple of ssm.time_step_rank {value_heads}")
-    if int(m.get("expert_shared_feed_forward_length", 0)) <= 0:
+    if value_heads % key_heads:
+        raise ValueError(f"GGUF qwen35moe: ssm.time_step_rank {value_heads} (value heads) is not a multiple of "
+                         f"ssm.group_count {key_heads} (key heads)")
+    if m.dim("expert_shared_feed_forward_length", 0, lo=0) <= 0:
         raise ValueError("GGUF qwen35moe: no expert_shared_feed_forward_length (Qwen3.5-MoE has a shared expert)")
+    experts = m.dim("expert_count")
     config = {
         "model_type": "qwen3_5_moe_text",
-        "vocab_size": m.vocab_size(tensors),
-        "hidden_size": int(m.get("embedding_length")),
+        "vocab_size": m.vocab_size(),
+        "hidden_size": m.dim("embedding_length"),
         "num_hidden_layers": num_layers,
-        "num_attention_heads": int(m.scalar("attention.head_count")),
-        "num_key_value_heads": int(m.scalar("attention.head_count_kv")),
+        "num_attention_heads": m.dim_per_layer("attention.head_count"),
+        "num_key_value_heads": m.dim_per_layer("attention.head_count_kv"),
         "head_dim": head_dim,
-        "rms_norm_eps": float(m.get("attention.layer_norm_rms_epsilon")),
+        "rms_norm_eps": m.number("attention.layer_norm_rms_epsilon", hi=1.0),
         "tie_word_embeddings": "output.weight" not in tensors.shapes,
-        "rope_parameters": {"rope_type": "default", "rope_theta": float(m.get("rope.freq_base")),
+        "rope_parameters": {"rope_type": "default", "rope_theta": m.number("rope.freq_base", lo_open=True),
                             "partial_rotary_factor": rotary / head_dim},
-        "linear_conv_kernel_dim": int(m.get("ssm.conv_kernel")),
-        "linear_key_head_dim": int(m.get("ssm.state_size")),
+        "linear_conv_kernel_dim": m.dim("ssm.conv_kernel"),
+        "linear_key_head_dim": m.dim("ssm.state_size"),
         "linear_value_head_dim": inner // value_heads,
-        "linear_num_key_heads": int(m.get("ssm.group_count")),
+        "linear_num_key_heads": key_heads,
         "linear_num_value_heads": value_heads,
-        "moe_intermediate_size": int(m.get("expert_feed_forward_length")),
-        "shared_expert_intermediate_size": int(m.get("expert_shared_feed_forward_length")),
-        "num_experts": int(m.get("expert_count")),
-        "num_experts_per_tok": int(m.get("expert_used_count")),
+        "moe_intermediate_size": m.dim("expert_feed_forward_length"),
+        "shared_expert_intermediate_size": m.dim("expert_shared_feed_forward_length"),
+        "num_experts": experts,
+        "num_experts_per_tok": m.count("expert_used_count", hi=experts, why=" (expert_count)"),
         "layer_types": ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)],
-        "max_position_embeddings": int(m.get("context_length", 32768)),
+        "max_position_embeddings": m.count("context_length", 32768),
     }
-    if "tokenizer.ggml.eos_token_id" in metadata:
-        config["eos_token_id"] = int(metadata["tokenizer.ggml.eos_token_id"])
+    eos = m.token_id("tokenizer.ggml.eos_token_id", config["vocab_size"])
+    if eos is not None:
+        config["eos_token_id"] = eos
     return config
 
 
