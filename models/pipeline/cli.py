@@ -63,6 +63,9 @@ flags.DEFINE_boolean("requantize_gguf", False, "GGUF input: dequantize the GGUF'
                      "quantize them with --recipe (default: keep them as the GGUF stores them, losslessly; only "
                      "its float tensors meet the recipe).")
 flags.DEFINE_boolean("progress", None, "Show progress bars (default: when stderr is a terminal).")
+for _name in ("verify_min_cosine", "budget_bits_per_weight"):  # absl's bounds let NaN through
+    flags.register_validator(_name, lambda value: value is None or math.isfinite(value),
+                             message="expected a finite number")
 
 
 def main_for(arch: Architecture, others: Sequence[Architecture] = ()) -> None:

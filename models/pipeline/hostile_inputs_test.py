@@ -98,3 +98,34 @@ def test_hostile_gguf_hyper_parameter_is_one_line(case, arch, key, value, vtype,
     assert os.path.getsize(path) < 2048
     result, out = run_cli(arch, [f"--checkpoint={path}"], tmp_path, timeout=60)
     assert_refused(result, out, path, *words)
+
+
+# ---- item: wrong acceptances ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("flag", ["--budget_bits_per_weight=nan", "--verify_min_cosine=nan"])
+def test_nan_flags_are_refused(flag, tmp_path):
+    result, out = run_cli(QWEN, [flag], tmp_path)
+    assert_refused(result, out, flag.split("=")[0], "finite")
+
+
+def test_asymmetric_mxfp8_rule_is_refused_before_work(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("rules:\n  - pattern: '.*'\n    config: {format: mxfp8, bits: 8, group_size: 32, symmetric: false}\n")
+    result, out = run_cli(QWEN, [f"--recipe={recipe}", "--backend=hf-compressed-tensors"], tmp_path)
+    assert_refused(result, out, "symmetric", "mxfp8")
+
+
+def test_catastrophic_recipe_pattern_does_not_hang(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("rules:\n  - pattern: '(.+)+!'\n    config: {bits: 4, group_size: 32}\n"
+                      "  - pattern: '.*proj'\n    config: {bits: 8, group_size: 32}\n")
+    result, out = run_cli(QWEN, [f"--recipe={recipe}"], tmp_path, timeout=200)
+    assert result[0] == 0, result[2][-2000:]
+    assert out.is_dir()
+
+
+def test_recipe_fifo_is_refused(tmp_path):
+    fifo = tmp_path / "r.yaml"
+    os.mkfifo(fifo)
+    result, out = run_cli(QWEN, [f"--recipe={fifo}"], tmp_path, timeout=60)
+    assert_refused(result, out, str(fifo), "FIFO")

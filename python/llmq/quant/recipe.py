@@ -35,6 +35,35 @@ _DTYPE_NAMES = {
 }
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
+# Largest recipe file read (a real one is a few KB).
+MAX_RECIPE_BYTES = 1 << 20
+# Longest rule pattern accepted (a real one is under 100 characters).
+MAX_PATTERN_CHARS = 4096
+
+
+def compile_pattern(pattern: str):
+    """A rule's regular expression, compiled by RE2 (google-re2): matching a name takes time linear
+    in its length whatever the pattern, so a catastrophic pattern such as ``(.+)+!`` cannot hang a
+    run as it would with Python's backtracking ``re``. ``fullmatch`` means what it means in ``re``
+    for the patterns recipes use; lookarounds and backreferences, which need backtracking, are
+    refused (ValueError, one line, naming the pattern)."""
+    import re2
+
+    if len(pattern) > MAX_PATTERN_CHARS:
+        raise ValueError(f"QuantRule.pattern {pattern[:60]!r}... is {len(pattern)} characters; at most "
+                         f"{MAX_PATTERN_CHARS} are accepted")
+    options = re2.Options()
+    options.log_errors = False  # the error is ours to report, in one line
+    try:
+        return re2.compile(pattern, options)
+    except re2.error as e:
+        reason = e.args[0].decode("utf-8", "replace") if e.args and isinstance(e.args[0], bytes) else str(e)
+    try:
+        re.compile(pattern)
+    except re.error as e:
+        raise ValueError(f"QuantRule.pattern {pattern!r} is not a valid regular expression: {e}") from None
+    raise ValueError(f"QuantRule.pattern {pattern!r} needs a backtracking construct (lookaround or "
+                     f"backreference; {reason}); rule patterns are matched in linear time (RE2) and cannot use one")
 
 
 def _dtype_from_name(value: Union[str, torch.dtype]) -> torch.dtype:
@@ -88,6 +117,9 @@ class QuantConfig:
             raise ValueError(f"QuantConfig.method={self.method!r} unknown; expected one of {METHODS}")
         if self.method not in fmt.methods:
             raise ValueError(f"QuantConfig.method={self.method!r} does not apply to format {self.format!r}; it takes {' or '.join(map(repr, fmt.methods))}")
+        if self.format != INT_FORMAT and not self.symmetric:
+            raise ValueError(f"QuantConfig.symmetric=False does not apply to format {self.format!r}: its scales have "
+                             f"no zero point (only format 'int' is asymmetric)")
         if self.method == "hqq" and self.symmetric:
             raise ValueError("QuantConfig.method='hqq' optimises the zero point: it needs symmetric=False (asymmetric)")
         object.__setattr__(self, "scale_dtype", _dtype_from_name(self.scale_dtype))
@@ -127,6 +159,18 @@ class QuantConfig:
         return f"{self.format}{self.bits} g{group} {kind}" + method + scales
 
 
+def _one_line(e: Exception) -> str:
+    """A JSON/YAML parse error in one line: YAML's problem and where (its message spans 4-8 lines,
+    quoting the text), JSON's message as is."""
+    mark = getattr(e, "problem_mark", None)
+    problem = getattr(e, "problem", None)
+    if problem and mark is not None:
+        text = f"{problem} at line {mark.line + 1}, column {mark.column + 1}"
+        context = getattr(e, "context", None)
+        return f"{context}: {text}" if context else text
+    return " ".join(str(e).split())
+
+
 def layer_index(fqn: str) -> Optional[int]:
     """The decoder-layer index of an fqn (the N of its first ``layers.N`` segment), or None."""
     m = _LAYER_INDEX.search(fqn)
@@ -149,10 +193,7 @@ class QuantRule:
     def __post_init__(self):
         if not isinstance(self.pattern, str):
             raise ValueError(f"QuantRule.pattern must be a string, got {self.pattern!r}")
-        try:
-            re.compile(self.pattern)
-        except re.error as e:
-            raise ValueError(f"QuantRule.pattern {self.pattern!r} is not a valid regular expression: {e}") from None
+        compile_pattern(self.pattern)
         if isinstance(self.config, Mapping):
             object.__setattr__(self, "config", QuantConfig.from_dict(self.config))
         elif self.config is not None and not isinstance(self.config, QuantConfig):
@@ -166,8 +207,9 @@ class QuantRule:
             object.__setattr__(self, "layers", tuple(sorted(set(layers))))
 
     @property
-    def regex(self) -> "re.Pattern[str]":
-        return re.compile(self.pattern)
+    def regex(self):
+        """The compiled pattern (RE2: ``fullmatch`` in time linear in the name; see compile_pattern)."""
+        return compile_pattern(self.pattern)
 
     @property
     def has_relative_layers(self) -> bool:
@@ -282,12 +324,10 @@ class QuantRecipe:
     @classmethod
     def from_file(cls, path: Union[str, os.PathLike]) -> "QuantRecipe":
         """Load a recipe from a .json, .yaml or .yml file (format: docs/formats.md)."""
+        from llmq.input_files import read_text
+
         path = os.fspath(path)
-        try:
-            with open(path, "r", encoding="utf-8") as f:
-                text = f.read()
-        except OSError as e:
-            raise ValueError(f"cannot read recipe file {path}: {e.strerror or e}") from None
+        text = read_text(path, "recipe file", limit=MAX_RECIPE_BYTES)  # a FIFO or /dev/zero is refused
         try:
             if path.endswith(".json"):
                 data = json.loads(text)
@@ -296,7 +336,7 @@ class QuantRecipe:
 
                 data = yaml.safe_load(text)
         except Exception as e:  # json.JSONDecodeError, yaml.YAMLError
-            raise ValueError(f"recipe file {path} is not valid JSON/YAML: {e}") from None
+            raise ValueError(f"recipe file {path} is not valid JSON/YAML: {_one_line(e)}") from None
         try:
             return cls.from_dict(data)
         except ValueError as e:

@@ -1,6 +1,7 @@
 """Recipes: rule matching, layer restriction, files, dict round trip, presets."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -203,7 +204,7 @@ def test_bad_files_name_the_file(tmp_path, text, match):
 
 
 def test_missing_file():
-    with pytest.raises(ValueError, match="cannot read recipe file"):
+    with pytest.raises(ValueError, match="recipe file /nonexistent/recipe.json: No such file"):
         QuantRecipe.from_file("/nonexistent/recipe.json")
 
 
@@ -283,3 +284,65 @@ def test_to_file_writes_one_rule_per_line_and_reads_back_equal(tmp_path):
     lines = path.read_text().splitlines()
     assert len(lines) == 2 + len(recipe.rules) and '"description": "written by a test"' in lines[0]
     assert QuantRecipe.from_file(path) == recipe
+
+
+def test_catastrophic_pattern_matches_in_linear_time():
+    """`(.+)+!` takes Python's backtracking re exponential time on a name without '!' (a 30-character
+    name: minutes); the rule's matcher (RE2) answers at once."""
+    import time
+
+    recipe = QuantRecipe([QuantRule(r"(.+)+!", QuantConfig()), QuantRule(r"(a|aa)*b", None),
+                          QuantRule(r".*down_proj", QuantConfig(bits=8))])
+    name = "model.layers.3.mlp.experts.down_proj" * 20
+    start = time.perf_counter()
+    assert recipe.get_config(name) == QuantConfig(bits=8)
+    assert recipe.get_config("a" * 5000) is None
+    assert time.perf_counter() - start < 1.0
+
+
+@pytest.mark.parametrize("pattern,match", [
+    (r"(?!lm_head).*", "backtracking construct"),  # lookahead
+    (r"(a)\1", "backtracking construct"),  # backreference
+    (r"(", "not a valid regular expression"),
+    ("a" * 5000, "characters"),
+])
+def test_patterns_re2_cannot_match_are_refused_in_one_line(pattern, match, capfd):
+    with pytest.raises(ValueError, match=match) as e:
+        QuantRule(pattern, QuantConfig())
+    assert "\n" not in str(e.value)
+    assert capfd.readouterr().err == ""  # RE2's own error log stays quiet
+
+
+def test_rule_patterns_keep_fullmatch_semantics():
+    rule = QuantRule(r"(.*\.)?embed_tokens", None)
+    assert rule.regex.fullmatch("model.embed_tokens") and rule.regex.fullmatch("embed_tokens")
+    assert not rule.regex.fullmatch("model.embed_tokensx") and not rule.regex.fullmatch("xembed_tokens")
+
+
+def test_fp_formats_refuse_asymmetric():
+    """FP formats have no zero point: symmetric=False is refused when the recipe loads, not mid-export."""
+    for fmt, extra in (("mxfp8", {"group_size": 32, "bits": 8}), ("nvfp4", {"group_size": 16}),
+                       ("fp8", {"group_size": None, "bits": 8})):
+        with pytest.raises(ValueError, match="symmetric"):
+            QuantConfig(format=fmt, symmetric=False, **extra)
+
+
+def test_yaml_error_is_one_line(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("rules:\n  - pattern: 'x'\n    config: {bits: 4\n  - oops: [\n")
+    with pytest.raises(ValueError, match="bad.yaml is not valid JSON/YAML") as e:
+        QuantRecipe.from_file(p)
+    assert "\n" not in str(e.value) and "line" in str(e.value)
+
+
+def test_recipe_fifo_and_device_are_refused(tmp_path):
+    fifo = tmp_path / "recipe.yaml"
+    os.mkfifo(fifo)
+    with pytest.raises(ValueError, match="FIFO"):
+        QuantRecipe.from_file(fifo)  # would block forever in open() before the fix
+    with pytest.raises(ValueError, match="character device"):
+        QuantRecipe.from_file("/dev/zero")
+    big = tmp_path / "big.json"
+    big.write_bytes(b" " * ((1 << 20) + 1))
+    with pytest.raises(ValueError, match="larger than"):
+        QuantRecipe.from_file(big)
