@@ -90,6 +90,22 @@ def check_headers(arch: Architecture, shapes: Dict[str, Shape], experts_per_laye
     return names
 
 
+# What a model weight may be stored as: floats the reader converts exactly (safetensors and GGUF
+# names); GGUF's block-quantized types are imported exactly too. Integers, booleans and 8-bit
+# floats are not weights this pipeline reads (they would fail mid-stream).
+FLOAT_TYPES = frozenset({"F64", "F32", "F16", "BF16"})
+_NOT_WEIGHTS = ("BOOL", "U8", "U16", "U32", "U64", "I8", "I16", "I32", "I64")
+
+
+def check_stored_types(types: Dict[str, str], source: str) -> None:
+    """Before anything is written: every tensor is stored as a float (or a GGUF quantized block type);
+    raise StreamMismatchError naming the first that is not."""
+    for name, stored in types.items():
+        if stored in _NOT_WEIGHTS or stored.startswith("F8_"):
+            raise StreamMismatchError(f"stored as {stored}; model weights must be {', '.join(sorted(FLOAT_TYPES))}"
+                                      f" (or GGUF quantized blocks)", path=source, tensor=name)
+
+
 def checked_stream(items: Iterable[Tuple[str, object]], expected: ExpectedTensors,
                    source: str) -> Iterator[Tuple[str, object]]:
     """Pass the stream through, raising at the first unknown or misshapen tensor and, at its end,

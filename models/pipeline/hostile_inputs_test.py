@@ -129,3 +129,80 @@ def test_recipe_fifo_is_refused(tmp_path):
     os.mkfifo(fifo)
     result, out = run_cli(QWEN, [f"--recipe={fifo}"], tmp_path, timeout=60)
     assert_refused(result, out, str(fifo), "FIFO")
+
+
+@pytest.fixture(scope="module")
+def qwen_checkpoint(tmp_path_factory):
+    from models.pipeline.default_model import write_default_checkpoint
+
+    return write_default_checkpoint(QWEN, str(tmp_path_factory.mktemp("qwen") / "ckpt"), seed=1)
+
+
+def _copy_with(folder, dest, change):
+    """A copy of the HF folder `folder` at `dest` with change(tensors) applied to every shard."""
+    import shutil
+
+    import torch  # noqa: F401  (safetensors.torch needs it)
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(folder, dest)
+    for f in os.listdir(dest):
+        if f.endswith(".safetensors"):
+            tensors = load_file(os.path.join(dest, f))
+            change(tensors)
+            save_file(tensors, os.path.join(dest, f), metadata={"format": "pt"})
+    return str(dest)
+
+
+@pytest.mark.parametrize("dtype", ["int32", "float8_e5m2", "bool", "float8_e4m3fn"])
+def test_non_float_weight_is_refused_before_writing(dtype, qwen_checkpoint, tmp_path):
+    import torch
+
+    name = "model.layers.0.mlp.shared_expert.down_proj.weight"
+
+    def change(tensors):
+        if name in tensors:
+            tensors[name] = tensors[name].to(getattr(torch, dtype))
+
+    folder = _copy_with(qwen_checkpoint, tmp_path / "ckpt", change)
+    result, out = run_cli(QWEN, [f"--checkpoint={folder}"], tmp_path)
+    assert_refused(result, out, name, "stored as")
+    assert not (tmp_path / "out.partial").exists() and not any(p.name.startswith(".out") for p in tmp_path.iterdir())
+
+
+def test_zero_element_tensor_with_huge_dim_is_a_checkpoint_error(tmp_path):
+    import json
+    import struct
+
+    from llmq.checkpoint import UnsupportedCheckpointError, iter_checkpoint
+
+    header = json.dumps({"a": {"dtype": "F32", "shape": [0, 1 << 63], "data_offsets": [0, 0]}}).encode()
+    path = tmp_path / "z.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header)
+    assert os.path.getsize(path) < 128
+    with pytest.raises(UnsupportedCheckpointError, match="64-bit"):
+        dict(iter_checkpoint(str(path)))
+    gguf_path = tmp_path / "z.gguf"
+    writer = gguf.GGUFWriter(str(gguf_path), "gemma3")
+    writer.add_tensor_info("a", (0, 1 << 63), np.float32, 0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    writer.close()
+    with pytest.raises(UnsupportedCheckpointError, match="64-bit"):
+        dict(iter_checkpoint(str(gguf_path)))
+
+
+def test_gguf_integer_tensor_is_refused_before_writing(tmp_path):
+    path = tmp_path / "m.gguf"
+    writer = gguf.GGUFWriter(str(path), "gemma3")
+    for key, (value, vtype) in GEMMA3_KV.items():
+        writer.add_key_value(f"gemma3.{key}", value, vtype)
+    writer.add_tensor("token_embd.weight", np.zeros((16, 8), dtype=np.float32))
+    writer.add_tensor("blk.0.attn_q.weight", np.zeros((8, 8), dtype=np.int32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    result, out = run_cli(GEMMA3, [f"--checkpoint={path}"], tmp_path)
+    assert_refused(result, out, "blk.0.attn_q.weight", "stored as I32")

@@ -29,7 +29,7 @@ from typing import Dict, Optional, Sequence
 import torch
 
 from llmq.backend import BackendError, WriteJob, get_backend, storage_of, with_scale_dtypes
-from llmq.checkpoint import checkpoint_shapes
+from llmq.checkpoint import checkpoint_shapes, checkpoint_stored_types
 from llmq.checkpoint.fileio import write_error
 from llmq.quant import GroupQuantizedWeight, QuantConfig, QuantRecipe, dequantize, is_quantized, load_recipe, quantize_stream
 from llmq.quant.chunked import QuantizedRowBlocks, RowBlocks
@@ -39,7 +39,7 @@ from models.pipeline import sources, verify as verification
 from models.pipeline.calibration import calibrate
 from models.pipeline.size_budget import RECIPE_FILE, choose_recipe
 from models.pipeline.arch import Architecture, quantizable_module
-from models.pipeline.checks import check_headers, checked_stream, expected_tensors
+from models.pipeline.checks import check_headers, check_stored_types, checked_stream, expected_tensors
 from models.pipeline.usage_error import UsageError
 from models.pipeline.agreement import format_table
 
@@ -129,6 +129,9 @@ def run(arch: Architecture, *, checkpoint: Optional[str], recipe: Optional[str],
         # before anything is written (HF headers) and again as it streams (every input).
         expected = expected_tensors(arch, config)
         names = None
+        types = checkpoint_stored_types(checkpoint, key_map=None if source.from_gguf else arch.key_map)
+        if types is not None:
+            check_stored_types(types, checkpoint)
         if not source.from_gguf:
             shapes = checkpoint_shapes(checkpoint, key_map=arch.key_map)
             if shapes is not None:

@@ -2,7 +2,7 @@
 
 Public API (see docs/checkpoint.md):
     iter_checkpoint, load_checkpoint, checkpoint_names,   -- readers
-    checkpoint_shapes
+    checkpoint_shapes, checkpoint_stored_types
     save_bundle, load_bundle, iter_bundle, read_manifest -- the quantized output bundle
     source_files, side_file, side_files, TOKENIZER_FILES -- a checkpoint's side files, checked
     CheckpointError and its subclasses                    -- the only errors readers raise
@@ -32,7 +32,14 @@ from llmq.checkpoint.errors import (
     UnsupportedCheckpointError,
 )
 from llmq.checkpoint.gguf_import import read_gguf_metadata
-from llmq.checkpoint.reader import LoadResult, checkpoint_names, checkpoint_shapes, iter_checkpoint, load_checkpoint
+from llmq.checkpoint.reader import (
+    LoadResult,
+    checkpoint_names,
+    checkpoint_shapes,
+    checkpoint_stored_types,
+    iter_checkpoint,
+    load_checkpoint,
+)
 from llmq.checkpoint.side_files import TOKENIZER_FILES, side_file, side_files
 
 __all__ = [
@@ -56,6 +63,7 @@ __all__ = [
     "UnsupportedCheckpointError",
     "checkpoint_names",
     "checkpoint_shapes",
+    "checkpoint_stored_types",
     "iter_bundle",
     "iter_checkpoint",
     "load_bundle",

@@ -42,6 +42,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from llmq.checkpoint.errors import CorruptCheckpointError, UnsupportedCheckpointError
+from llmq.checkpoint.shapes import dims_problem
 
 MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
@@ -357,6 +358,9 @@ def _parse(buf, path: str, identity: FileIdentity) -> GGUFHeader:
         if not 1 <= n_dims <= MAX_DIMS:
             raise cur.fail(f"has {n_dims} dims; GGUF allows 1..{MAX_DIMS}", tensor=name)
         dims = tuple(cur.u64(f"dim {d}", tensor=name) for d in range(n_dims))
+        problem = dims_problem(dims)
+        if problem:
+            raise UnsupportedCheckpointError(problem, path=path, tensor=name)
         ggml_type = cur.u32("type", tensor=name)
         offset = cur.u64("data offset", tensor=name)
         if name in names:

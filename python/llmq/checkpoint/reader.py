@@ -226,6 +226,20 @@ def checkpoint_shapes(path: os.PathLike, *, key_map: KeyMap = None) -> Optional[
     return shapes
 
 
+def checkpoint_stored_types(path: os.PathLike, *, key_map: KeyMap = None) -> Optional[Dict[str, str]]:
+    """{name: stored type} in read order, by the file format's type name (safetensors "BF16", "I32";
+    GGUF "F32", "Q4_K"), from the headers alone (names after key_map), or None for a format whose
+    types need reading the tensors."""
+    plan = _plan(os.fspath(path), key_map, None)
+    try:
+        types = {out: plan.source.stored_type(name) for name, out in plan.renames}
+    finally:
+        plan.source.close()
+    if any(t is None for t in types.values()):
+        return None
+    return types
+
+
 class _ReadAhead:
     """Reads (and NaN-checks) up to ``depth`` tensors ahead of the consumer on one thread.
 

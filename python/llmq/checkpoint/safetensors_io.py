@@ -32,6 +32,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
+from llmq.checkpoint.shapes import dims_problem
 from llmq.checkpoint.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -221,6 +222,9 @@ def _parse_entry(path: str, name: str, info, data_start: int, data_size: int) ->
         raise CorruptCheckpointError(
             f"data_offsets must be [begin, end] with 0 <= begin <= end, got {offsets!r}"[:300],
             path=path, tensor=name)
+    problem = dims_problem(shape)
+    if problem:
+        raise UnsupportedCheckpointError(problem[:300], path=path, tensor=name)
     dtype = DTYPES[dtype_name]
     nbytes = math.prod(shape) * dtype.itemsize  # Python ints: no overflow
     if offsets[1] - offsets[0] != nbytes:

@@ -30,7 +30,7 @@ from llmq.checkpoint.errors import (
     UnsupportedCheckpointError,
 )
 from llmq.checkpoint.gguf_import import GGUFFile
-from llmq.checkpoint.safetensors_io import ReadBuffers, SafetensorsFile, has_lone_surrogate
+from llmq.checkpoint.safetensors_io import DTYPE_NAMES, ReadBuffers, SafetensorsFile, has_lone_surrogate
 from llmq.quant.formats import GroupQuantizedWeight
 
 Value = Union[torch.Tensor, GroupQuantizedWeight]
@@ -63,6 +63,11 @@ class Source:
         """The stored bytes of `name` from the header alone (None where that needs a read)."""
         return None
 
+    def stored_type(self, name: str) -> Optional[str]:
+        """The type `name` is stored as, by the file format's name for it (safetensors "I32", GGUF
+        "Q4_K"), from the header alone (None where that needs a read)."""
+        return None
+
     def row_reader(self, name: str) -> Optional[Tuple[torch.dtype, Callable[[int, int], torch.Tensor]]]:
         """(stored dtype, read(r0, r1) -> rows r0:r1 along the first dimension) for a plain tensor
         this source can read a block of rows of at a time, or None (it is read whole)."""
@@ -89,6 +94,9 @@ class SafetensorsSource(Source):
 
     def nbytes(self, name: str) -> int:
         return self._owner[name].entries[name].nbytes
+
+    def stored_type(self, name: str) -> str:
+        return DTYPE_NAMES[self._owner[name].entries[name].dtype]
 
     def row_reader(self, name: str):
         f = self._owner[name]
@@ -124,6 +132,9 @@ class GGUFSource(Source):
 
     def nbytes(self, name: str) -> int:
         return self._infos[name].nbytes
+
+    def stored_type(self, name: str) -> str:
+        return self._infos[name].type_name
 
     def close(self) -> None:
         self._file.close()
