@@ -26,6 +26,7 @@ MLX writer and the text check share one build.
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import os
 import threading
@@ -163,11 +164,82 @@ def _from_hf_folder(folder: str):
     return AutoTokenizer.from_pretrained(folder)
 
 
+# The most tokens a GGUF vocabulary may hold (the largest real ones hold 262,144).
+MAX_GGUF_TOKENS = 1 << 22
+
+
+def _check_list(metadata: Dict[str, Any], key: str, path: str, kinds: Tuple[type, ...], what: str,
+                length: Optional[int] = None) -> Optional[List[Any]]:
+    """metadata[key] as a list whose elements are all `kinds` (bools never count as numbers), of
+    `length` elements when given; None when absent; ValueError naming the key otherwise."""
+    if key not in metadata:
+        return None
+    value = metadata[key]
+    if isinstance(value, (str, bytes)) or not isinstance(value, collections.abc.Sequence):
+        raise ValueError(f"{path}: GGUF {key} is a {type(value).__name__}; expected an array of {what}")
+    if length is not None and len(value) != length:
+        raise ValueError(f"{path}: GGUF {key} has {len(value)} elements; expected {length} (one per token)")
+    values = list(value)
+    for i, v in enumerate(values):
+        if not isinstance(v, kinds) or (isinstance(v, bool) and bool not in kinds):
+            raise ValueError(f"{path}: GGUF {key} element {i} is {_short(v)}; expected {what}")
+    return values
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:40] + "..."
+
+
+def check_gguf_tokenizer(metadata: Dict[str, Any], path: str = "GGUF") -> None:
+    """Refuse (ValueError, one line naming the key) tokenizer metadata no tokenizer can be built
+    from: a tokenizer kind that is not a string, tokens that are not distinct strings, merges that
+    are not "left right" string pairs, scores / token types that are not one number per token,
+    special token ids outside the vocabulary, flags that are not booleans."""
+    kind = metadata.get("tokenizer.ggml.model")
+    if kind is not None and not isinstance(kind, str):
+        raise ValueError(f"{path}: GGUF tokenizer.ggml.model is {_short(kind)}; expected a string")
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    if tokens is not None and hasattr(tokens, "__len__") and not 0 < len(tokens) <= MAX_GGUF_TOKENS:
+        raise ValueError(f"{path}: GGUF tokenizer.ggml.tokens has {len(tokens)} tokens; expected 1..{MAX_GGUF_TOKENS}")
+    tokens = _check_list(metadata, "tokenizer.ggml.tokens", path, (str,), "strings (the tokens)")
+    if tokens is None:
+        raise ValueError(f"{path}: no tokenizer.ggml.tokens in the GGUF metadata; the file carries no tokenizer")
+    if len(set(tokens)) != len(tokens):
+        seen: Dict[str, int] = {}
+        for i, token in enumerate(tokens):
+            if token in seen:
+                raise ValueError(f"{path}: GGUF tokenizer.ggml.tokens holds {token!r} twice (ids {seen[token]} and "
+                                 f"{i}); expected distinct tokens")
+            seen[token] = i
+    merges = _check_list(metadata, "tokenizer.ggml.merges", path, (str,), "strings 'left right'")
+    for i, merge in enumerate(merges or ()):
+        parts = merge.split(" ")
+        if len(parts) != 2 or not all(parts):
+            raise ValueError(f"{path}: GGUF tokenizer.ggml.merges element {i} is {_short(merge)}; expected two "
+                             f"tokens separated by one space")
+    _check_list(metadata, "tokenizer.ggml.scores", path, (int, float), "numbers (one score per token)", len(tokens))
+    _check_list(metadata, "tokenizer.ggml.token_type", path, (int,), "integers (one type per token)", len(tokens))
+    _check_list(metadata, "tokenizer.ggml.precompiled_charsmap", path, (int,), "bytes")
+    for key in _GGUF_SPECIAL_IDS.values():
+        token_id = metadata.get(f"tokenizer.ggml.{key}")
+        if token_id is not None and (isinstance(token_id, bool) or not isinstance(token_id, int)
+                                     or not 0 <= token_id < len(tokens)):
+            raise ValueError(f"{path}: tokenizer.ggml.{key} = {_short(token_id)} is outside the vocabulary "
+                             f"(0..{len(tokens) - 1})")
+    for key in ("tokenizer.ggml.add_bos_token", "tokenizer.ggml.add_eos_token", "tokenizer.ggml.add_space_prefix"):
+        if key in metadata and not isinstance(metadata[key], bool):
+            raise ValueError(f"{path}: GGUF {key} is {_short(metadata[key])}; expected a boolean")
+    for key in ("tokenizer.ggml.pre", "tokenizer.chat_template"):
+        if key in metadata and not isinstance(metadata[key], str):
+            raise ValueError(f"{path}: GGUF {key} is {_short(metadata[key])}; expected a string")
+
+
 def gguf_tokenizer_fields(metadata: Dict[str, Any], path: str = "GGUF") -> Tuple[str, Dict, Dict]:
     """(architecture, tokenizer fields, tokenizer_config kwargs) from GGUF metadata, in the shape
-    transformers' GGUF tokenizer builders take (``get_gguf_tokenizer``'s result)."""
-    if "tokenizer.ggml.tokens" not in metadata:
-        raise ValueError(f"{path}: no tokenizer.ggml.tokens in the GGUF metadata; the file carries no tokenizer")
+    transformers' GGUF tokenizer builders take (``get_gguf_tokenizer``'s result); the metadata is
+    checked first (``check_gguf_tokenizer``)."""
+    check_gguf_tokenizer(metadata, path)
     fields: Dict[str, Any] = {}
     for key, name in _GGUF_TOKENIZER_KEYS.items():
         if key in metadata:
@@ -180,11 +252,9 @@ def gguf_tokenizer_fields(metadata: Dict[str, Any], path: str = "GGUF") -> Tuple
     for name, key in _GGUF_SPECIAL_IDS.items():
         token_id = metadata.get(f"tokenizer.ggml.{key}")
         if token_id is not None:
-            if not 0 <= int(token_id) < len(tokens):
-                raise ValueError(f"{path}: tokenizer.ggml.{key} = {token_id} is outside the vocabulary "
-                                 f"(0..{len(tokens) - 1})")
-            config[name] = tokens[int(token_id)]
-    return metadata.get("general.architecture", ""), fields, config
+            config[name] = tokens[token_id]
+    arch = metadata.get("general.architecture", "")
+    return arch if isinstance(arch, str) else "", fields, config
 
 
 def _from_gguf(path: str):
@@ -197,12 +267,16 @@ def _from_gguf(path: str):
         config["add_bos_token"] = False  # as transformers: Gemma 4's chat template writes <bos> itself
     # transformers' convert_gguf_tokenizer, keeping the tokenizer object it builds: wrapping its
     # backend in a new PreTrainedTokenizerFast deep-copies it (12 s for a 262k vocabulary).
+    # transformers' builders raise what they meet (TypeError, a bare Exception for a missing <unk>)
+    # on metadata the checks above let through: one ValueError naming the file either way.
     try:
         tokenizer = gguf_tokenizers.select_tokenizer_builder(arch, fields.get("tokenizer_type"))(fields)
-    except ValueError as e:
-        raise ValueError(f"{path}: {e}") from None
-    tokenizer = gguf_tokenizers.add_gguf_special_tokens(tokenizer, fields)
-    tokenizer = gguf_tokenizers.set_split_regex(tokenizer, fields)
+        tokenizer = gguf_tokenizers.add_gguf_special_tokens(tokenizer, fields)
+        tokenizer = gguf_tokenizers.set_split_regex(tokenizer, fields)
+    except Exception as e:  # noqa: BLE001  a third-party builder on untrusted metadata
+        reason = " ".join(str(e).split())[:200]
+        raise ValueError(f"{path}: its tokenizer cannot be built from the GGUF metadata ({type(e).__name__}: "
+                         f"{reason})") from None
     for name in _GGUF_SPECIAL_IDS:
         if name in config:
             setattr(tokenizer, name, config[name])

@@ -206,3 +206,151 @@ def test_gguf_integer_tensor_is_refused_before_writing(tmp_path):
     writer.close()
     result, out = run_cli(GEMMA3, [f"--checkpoint={path}"], tmp_path)
     assert_refused(result, out, "blk.0.attn_q.weight", "stored as I32")
+
+
+# ---- item: hostile GGUF tokenizer metadata -------------------------------------------------------
+
+def _qwen_gguf(path, tokenizer_kv):
+    from models.pipeline.gguf_input_test import _write_gguf
+
+    _write_gguf(QWEN, path, extra_kv=tokenizer_kv)
+    return str(path)
+
+
+BAD_TOKENIZERS = {
+    "integer merges": {"tokenizer.ggml.model": ("gpt2", T.STRING, None),
+                       "tokenizer.ggml.merges": ([1, 2], T.ARRAY, T.UINT32)},
+    "garbage merges": {"tokenizer.ggml.model": ("gpt2", T.STRING, None),
+                       "tokenizer.ggml.merges": (["t1t2", "t1 t2 t3"], T.ARRAY, T.STRING)},
+    "no unk for llama": {"tokenizer.ggml.model": ("llama", T.STRING, None)},
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_TOKENIZERS))
+def test_hostile_tokenizer_skips_the_text_check_with_a_note(case, tmp_path):
+    """--verify on a GGUF whose tokenizer cannot be built: the logits check runs, the text check is
+    skipped with a note naming the key, and the run exits 0 (it exited 1 with a traceback after
+    publishing)."""
+    path = _qwen_gguf(tmp_path / "m.gguf", BAD_TOKENIZERS[case])
+    out = tmp_path / "out"
+    code, stdout, stderr = run_main(QWEN, [], [f"--checkpoint={path}", f"--out={out}", "--verify",
+                                              "--progress=false"], tmp_path, timeout=300)
+    assert code == 0, stderr[-3000:]
+    assert "text check" in stdout and "not run" in stdout, stdout[-3000:]
+    assert "passed" in stdout
+
+
+@pytest.mark.parametrize("case", sorted(BAD_TOKENIZERS))
+def test_hostile_tokenizer_with_calibration_is_one_line_before_writing(case, tmp_path):
+    path = _qwen_gguf(tmp_path / "m.gguf", BAD_TOKENIZERS[case])
+    text = tmp_path / "text.txt"
+    text.write_text("t1 t2 t3 " * 200)
+    result, out = run_cli(QWEN, [f"--checkpoint={path}", f"--calibration_text={text}"], tmp_path)
+    assert_refused(result, out, "--calibration_text", str(path))
+
+
+@pytest.mark.parametrize("kv,words", [
+    ({"tokenizer.ggml.tokens": ([1, 2, 3], T.ARRAY, T.UINT32)}, ["tokenizer.ggml.tokens", "element 0"]),
+    ({"tokenizer.ggml.tokens": (["a", "b", "a"], T.ARRAY, T.STRING)}, ["tokenizer.ggml.tokens", "'a' twice"]),
+    ({"tokenizer.ggml.merges": ([1, 2], T.ARRAY, T.UINT32)}, ["tokenizer.ggml.merges", "element 0"]),
+    ({"tokenizer.ggml.merges": (["ab"], T.ARRAY, T.STRING)}, ["tokenizer.ggml.merges", "one space"]),
+    ({"tokenizer.ggml.bos_token_id": (1 << 40, T.UINT64, None)}, ["tokenizer.ggml.bos_token_id", "outside"]),
+    ({"tokenizer.ggml.model": (7, T.UINT32, None)}, ["tokenizer.ggml.model", "string"]),
+    ({"tokenizer.ggml.scores": ([0.0], T.ARRAY, T.FLOAT32)}, ["tokenizer.ggml.scores", "elements"]),
+])
+def test_tokenizer_metadata_is_checked_in_one_line(kv, words, tmp_path):
+    from models.common.tokenizer import load_tokenizer
+
+    path = tmp_path / "t.gguf"
+    writer = gguf.GGUFWriter(str(path), "qwen35moe")
+    base = {"tokenizer.ggml.model": ("gpt2", T.STRING, None),
+            "tokenizer.ggml.tokens": (["a", "b", "ab"], T.ARRAY, T.STRING)}
+    for key, (value, vtype, sub) in {**base, **kv}.items():
+        writer.add_key_value(key, value, vtype, sub_type=sub)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert os.path.getsize(path) < 1024
+    with pytest.raises(ValueError) as e:
+        load_tokenizer(str(path))
+    assert "\n" not in str(e.value)
+    for word in words:
+        assert word in str(e.value)
+
+
+
+def test_tokenizer_ids_outside_the_model_skip_the_text_check(tmp_path):
+    """A vocabulary larger than the model's: the prompt's ids would index past the embedding after
+    publishing; the text check is skipped with a note instead."""
+    from models.pipeline.verify import _text_check_tokenizer
+
+    path = tmp_path / "t.gguf"
+    writer = gguf.GGUFWriter(str(path), "qwen35moe")
+    writer.add_key_value("tokenizer.ggml.model", "llama", T.STRING)
+    tokens = ["<unk>", "<s>"] + list(dict.fromkeys("The capital of France is\u2581"))
+    writer.add_key_value("tokenizer.ggml.tokens", tokens, T.ARRAY, sub_type=T.STRING)
+    writer.add_key_value("tokenizer.ggml.scores", [0.0] * len(tokens), T.ARRAY, sub_type=T.FLOAT32)
+    writer.add_key_value("tokenizer.ggml.unknown_token_id", 0, T.UINT32)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tokenizer, skipped = _text_check_tokenizer(str(path), 3)
+    assert tokenizer is None and "outside the model's vocabulary of 3" in skipped
+    tokenizer, skipped = _text_check_tokenizer(str(path), 100)
+    assert tokenizer is not None and skipped is None
+
+
+# ---- item: unbounded inputs ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["fifo", "/dev/zero", "folder"])
+def test_calibration_text_must_be_a_regular_file(kind, tmp_path):
+    if kind == "fifo":
+        text = tmp_path / "text.fifo"
+        os.mkfifo(text)  # opening it for reading blocked forever
+    elif kind == "folder":
+        text = tmp_path
+    else:
+        text = kind
+    result, out = run_cli(QWEN, [f"--calibration_text={text}"], tmp_path, timeout=60)
+    assert_refused(result, out, "--calibration_text", str(text))
+
+
+def test_calibration_reads_only_a_prefix_of_the_text(tmp_path):
+    """The tokens asked for come from the text's beginning: bytes far past them are never read (here
+    invalid UTF-8 at 4 MiB, which reading the whole file refused)."""
+    from models.pipeline.calibration import read_tokens
+
+    class Words:  # a tokenizer of whitespace-separated words, counting the characters it is given
+        seen = 0
+
+        def encode(self, text):
+            Words.seen = max(Words.seen, len(text))
+            return [len(w) for w in text.split()]
+
+    text = tmp_path / "text.txt"
+    with open(text, "wb") as f:
+        f.write(b"word " * ((4 << 20) // 5) + b"\xff\xfe" + b"word " * 1000)
+    ids = read_tokens(str(text), Words(), 512)
+    assert ids.tolist() == [4] * 512
+    assert Words.seen <= 1 << 17, Words.seen
+    # and a short text is read to its end
+    short = tmp_path / "short.txt"
+    short.write_text("a bb ccc")
+    assert read_tokens(str(short), Words(), 512).tolist() == [1, 2, 3]
+
+
+# ---- item: flags that would be ignored -----------------------------------------------------------
+
+def test_requantize_gguf_on_safetensors_is_refused(tmp_path):
+    result, out = run_cli(QWEN, ["--requantize_gguf"], tmp_path)
+    assert_refused(result, out, "--requantize_gguf", "gguf")
+
+
+def test_calibration_text_with_a_backend_that_quantizes_itself_is_refused(tmp_path):
+    text = tmp_path / "text.txt"
+    text.write_text("hello world " * 100)
+    result, out = run_cli(QWEN, [f"--calibration_text={text}", "--backend=hf-compressed-tensors",
+                                 "--recipe=nvfp4"], tmp_path)
+    assert_refused(result, out, "--calibration_text", "hf-compressed-tensors")

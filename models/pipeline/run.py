@@ -35,7 +35,7 @@ from llmq.quant import GroupQuantizedWeight, QuantConfig, QuantRecipe, dequantiz
 from llmq.quant.chunked import QuantizedRowBlocks, RowBlocks
 from llmq.quant.formats import get_format, nbytes_of
 from llmq.quant.report import ErrorReport
-from models.pipeline import sources, verify as verification
+from models.pipeline import gguf_input, sources, verify as verification
 from models.pipeline.calibration import calibrate
 from models.pipeline.size_budget import RECIPE_FILE, choose_recipe
 from models.pipeline.arch import Architecture, quantizable_module
@@ -95,6 +95,7 @@ def run(arch: Architecture, *, checkpoint: Optional[str], recipe: Optional[str],
         writer = get_backend(backend)
     except ValueError as e:
         raise UsageError(f"--backend: {e}") from None
+    _refuse_ignored_flags(writer, checkpoint, calibration_text=calibration_text, requantize_gguf=requantize_gguf)
     recipe_name = recipe or arch.default_recipe
     try:
         quant_recipe: QuantRecipe = load_recipe(recipe_name, presets=arch.presets)
@@ -282,6 +283,17 @@ def run(arch: Architecture, *, checkpoint: Optional[str], recipe: Optional[str],
         if kind == "embedded":
             print("[embedded default] pass --checkpoint=<HF folder> to quantize a real model")
         return result
+
+
+def _refuse_ignored_flags(writer, checkpoint: Optional[str], *, calibration_text: Optional[str],
+                          requantize_gguf: bool) -> None:
+    """A flag the run would compute and then not use is refused, before any work."""
+    if requantize_gguf and not gguf_input.is_gguf(checkpoint):
+        raise UsageError(f"--requantize_gguf applies to a .gguf --checkpoint only; {checkpoint or 'the embedded default'} "
+                         "is not one")
+    if calibration_text is not None and writer.takes_float:
+        raise UsageError(f"--calibration_text: --backend {writer.name} quantizes by itself and uses no calibration; "
+                         "drop the flag or pick a backend llmq quantizes for (e.g. bundle)")
 
 
 def _write_job(arch: Architecture, source, backend: str, out: str, recipe: QuantRecipe, recipe_name: str,

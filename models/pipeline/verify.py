@@ -45,10 +45,9 @@ def verify(arch: Architecture, config, source, backend, job, path: str, referenc
     ]
     failure = verdict(check, min_cosine=min_cosine)
     if source.kind != "embedded" and has_tokenizer(source.path):
-        try:
-            tokenizer = load_tokenizer(source.path)
-        except ValueError as e:  # e.g. a GGUF vocabulary of a tokenizer kind transformers cannot build
-            rows.append(("text check", f"not run: {e}"))
+        tokenizer, skipped = _text_check_tokenizer(source.path, config.vocab_size)
+        if skipped:
+            rows.append(("text check", f"not run: {skipped}"))
         else:
             step(f"verify: the source's tokenizer turns {DEFAULT_PROMPT!r} into ids; greedy text from both models")
             text = text_agreement(tokenizer, reference, quantized)
@@ -81,3 +80,16 @@ def verify(arch: Architecture, config, source, backend, job, path: str, referenc
         ]
     rows.append(("verification", "FAILED: " + failure if failure else f"passed (logits cosine >= {min_cosine})"))
     return rows, result, failure
+
+
+def _text_check_tokenizer(path: str, vocab_size: int):
+    """(the source's tokenizer, None), or (None, why the text check is skipped): a tokenizer that
+    cannot be built (e.g. hostile GGUF tokenizer metadata) or that gives ids outside the model."""
+    try:
+        tokenizer = load_tokenizer(path)
+    except ValueError as e:  # e.g. a GGUF vocabulary of a tokenizer kind transformers cannot build
+        return None, str(e)
+    outside = [int(i) for i in tokenizer.encode(DEFAULT_PROMPT) if not 0 <= int(i) < vocab_size]
+    if outside:
+        return None, f"the tokenizer gives id {outside[0]} for the prompt, outside the model's vocabulary of {vocab_size}"
+    return tokenizer, None
