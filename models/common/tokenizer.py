@@ -164,7 +164,7 @@ def _from_hf_folder(folder: str):
     return AutoTokenizer.from_pretrained(folder)
 
 
-# The most tokens a GGUF vocabulary may hold (the largest real ones hold 262,144).
+# The most tokens (and merges) a GGUF vocabulary may hold (the largest real ones hold 262,144).
 MAX_GGUF_TOKENS = 1 << 22
 
 
@@ -177,6 +177,8 @@ def _check_list(metadata: Dict[str, Any], key: str, path: str, kinds: Tuple[type
     value = metadata[key]
     if isinstance(value, (str, bytes)) or not isinstance(value, collections.abc.Sequence):
         raise ValueError(f"{path}: GGUF {key} is a {type(value).__name__}; expected an array of {what}")
+    if len(value) > MAX_GGUF_TOKENS:
+        raise ValueError(f"{path}: GGUF {key} has {len(value)} elements; at most {MAX_GGUF_TOKENS} are read")
     if length is not None and len(value) != length:
         raise ValueError(f"{path}: GGUF {key} has {len(value)} elements; expected {length} (one per token)")
     values = list(value)

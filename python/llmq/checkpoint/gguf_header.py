@@ -21,6 +21,11 @@ Large metadata arrays (more than ``EAGER_ARRAY_LIMIT`` elements, e.g. a 262,144-
 and keeps a ``GGUFArray`` that reads and decodes them on first use. Smaller arrays
 become Python lists, scalars Python ints/floats/bools/strs.
 
+Parsing is bounded whatever the file holds: at most ``MAX_METADATA_ENTRIES`` metadata
+entries and ``MAX_TENSORS`` tensors (more is refused in one line), and at most
+``EAGER_TOTAL_LIMIT`` array elements decoded in all (later arrays stay on disk), so a
+metadata-heavy file costs a bounded amount of memory and time, not a multiple of its size.
+
 ``parse_header_cached`` keeps the last few parsed headers keyed by (real path, device,
 inode, size, mtime, ctime), so the pipeline's several opens of one file (config, names,
 tensor stream, verification) parse it once. A file modified within ``RACY_NS`` of being
@@ -49,6 +54,12 @@ SUPPORTED_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4  # GGML_MAX_DIMS
 EAGER_ARRAY_LIMIT = 4096  # arrays longer than this stay on disk until used
+# Bounds on what parsing a header may cost, whatever the file's size (a real GGUF has under 100
+# metadata entries and a few thousand tensors): entries and tensors beyond these are refused;
+# once EAGER_TOTAL_LIMIT array elements were decoded, further arrays stay on disk too.
+MAX_METADATA_ENTRIES = 1 << 16
+MAX_TENSORS = 1 << 16
+EAGER_TOTAL_LIMIT = 1 << 16
 CACHE_ENTRIES = 4
 # A file modified less than this long before it was parsed is not cached: file times are
 # coarse (a few ms), so a same-size rewrite within one tick would otherwise look unchanged
@@ -255,7 +266,7 @@ class _Cursor:
         self.pos = pos
 
 
-def _read_value(cur: _Cursor, value_type: int, key: str, identity: FileIdentity) -> Any:
+def _read_value(cur: _Cursor, value_type: int, key: str, identity: FileIdentity, eager_left: List[int]) -> Any:
     what = f"metadata {key!r}"
     if value_type == _STRING:
         return cur.string(what)
@@ -279,8 +290,11 @@ def _read_value(cur: _Cursor, value_type: int, key: str, identity: FileIdentity)
         raise cur.fail(f"{what}: an array of {count} {_type_name(element_type)} elements needs at least "
                        f"{count * min_size} bytes, but only {cur.left} are left in the file")
     start = cur.pos
+    eager = count <= min(EAGER_ARRAY_LIMIT, eager_left[0])
+    if eager:
+        eager_left[0] -= count
     if element_type == _STRING:
-        if count > EAGER_ARRAY_LIMIT:
+        if not eager:
             cur.skip_strings(count, what)
             return GGUFArray(identity, key, element_type, count, start, cur.pos)
         values = []
@@ -288,7 +302,7 @@ def _read_value(cur: _Cursor, value_type: int, key: str, identity: FileIdentity)
             values.append(cur.string(f"{what} element {i}"))
         return values
     cur.pos += count * min_size
-    if count > EAGER_ARRAY_LIMIT:
+    if not eager:
         return GGUFArray(identity, key, element_type, count, start, cur.pos)
     return _decode_scalars(cur.buf, start, element_type, count)
 
@@ -338,7 +352,14 @@ def _parse(buf, path: str, identity: FileIdentity) -> GGUFHeader:
     if kv_count * 13 + tensor_count * 32 > cur.left:
         raise cur.fail(f"header claims {kv_count} metadata entries and {tensor_count} tensors, which need at "
                        f"least {kv_count * 13 + tensor_count * 32} bytes, but the file has {cur.left} left")
+    if kv_count > MAX_METADATA_ENTRIES:
+        raise UnsupportedCheckpointError(f"header claims {kv_count} metadata entries; at most {MAX_METADATA_ENTRIES} "
+                                         f"are read (a real GGUF has under 100)", path=path)
+    if tensor_count > MAX_TENSORS:
+        raise UnsupportedCheckpointError(f"header claims {tensor_count} tensors; at most {MAX_TENSORS} are read",
+                                         path=path)
     metadata: Dict[str, Any] = {}
+    eager_left = [EAGER_TOTAL_LIMIT]
     for i in range(kv_count):
         key = cur.string(f"metadata entry {i} key")
         if key in metadata:
@@ -346,7 +367,7 @@ def _parse(buf, path: str, identity: FileIdentity) -> GGUFHeader:
         value_type = cur.u32(f"metadata {key!r} value type")
         if key == "general.alignment" and value_type != 4:
             raise cur.fail(f"general.alignment must be a UINT32, got a {_type_name(value_type)}")
-        metadata[key] = _read_value(cur, value_type, key, identity)
+        metadata[key] = _read_value(cur, value_type, key, identity, eager_left)
     alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
     if alignment <= 0 or alignment & (alignment - 1):
         raise cur.fail(f"general.alignment must be a power of two, got {alignment}")

@@ -178,3 +178,46 @@ def test_parsed_once_per_unchanged_file(tmp_path, monkeypatch):
     os.utime(path, (hour_ago - 10, hour_ago - 10))
     assert read_gguf_metadata(path)["tokenizer.ggml.tokens"] == TOKENS[:10]
     assert len(calls) == 4
+
+
+def _raw_gguf(path, kvs: bytes, kv_count: int, tensor_count: int = 0) -> str:
+    """A GGUF of metadata only: the header then `kvs`, the key/value records as bytes."""
+    def s(x):
+        return struct.pack("<Q", len(x.encode())) + x.encode()
+    head = b"GGUF" + struct.pack("<IQQ", 3, tensor_count, kv_count + 1) + s("general.architecture") + \
+        struct.pack("<I", 8) + s("llama")
+    with open(path, "wb") as f:
+        f.write(head + kvs + b"\0" * (tensor_count * 32))
+    return str(path)
+
+
+def _key(name: str) -> bytes:
+    return struct.pack("<Q", len(name)) + name.encode()
+
+
+def test_metadata_entry_and_tensor_counts_are_bounded(tmp_path):
+    """A metadata-heavy header (1.4 M small entries in 32 MB) parsed for 24 s in 190 MB: more
+    entries than a real GGUF has by far are refused in one line, before any is parsed."""
+    n = gguf_header.MAX_METADATA_ENTRIES + 1
+    kvs = b"".join(_key(f"k{i}") + struct.pack("<II", 4, i) for i in range(n))
+    path = _raw_gguf(tmp_path / "keys.gguf", kvs, n)
+    with pytest.raises(UnsupportedCheckpointError, match="metadata entries; at most"):
+        gguf_header.parse_header(path)
+    path = _raw_gguf(tmp_path / "tensors.gguf", b"", 0, tensor_count=gguf_header.MAX_TENSORS + 1)
+    with pytest.raises(UnsupportedCheckpointError, match="tensors; at most"):
+        gguf_header.parse_header(path)
+
+
+def test_decoded_array_elements_are_bounded_in_all(tmp_path):
+    """Arrays of up to EAGER_ARRAY_LIMIT elements are decoded at parse, but only up to
+    EAGER_TOTAL_LIMIT elements in all: the rest stay on disk (memory was 10x the file's size)."""
+    per = gguf_header.EAGER_ARRAY_LIMIT
+    n = gguf_header.EAGER_TOTAL_LIMIT // per + 2
+    kvs = b"".join(_key(f"a{i}") + struct.pack("<IIQ", 9, 4, per) + struct.pack(f"<{per}I", *range(per))
+                   for i in range(n))
+    header = gguf_header.parse_header(_raw_gguf(tmp_path / "arrays.gguf", kvs, n))
+    arrays = [header.metadata[f"a{i}"] for i in range(n)]
+    decoded = sum(len(a) for a in arrays if isinstance(a, list))
+    assert decoded <= gguf_header.EAGER_TOTAL_LIMIT
+    assert isinstance(arrays[-1], gguf_header.GGUFArray) and not arrays[-1].loaded
+    assert arrays[-1].tolist() == list(range(per))  # still readable, on first use
