@@ -262,7 +262,13 @@ def gguf_tokenizer_fields(metadata: Dict[str, Any], path: str = "GGUF") -> Tuple
 def _from_gguf(path: str):
     from llmq.checkpoint import read_gguf_metadata
 
-    arch, fields, config = gguf_tokenizer_fields(read_gguf_metadata(path), path)
+    return tokenizer_from_gguf_metadata(read_gguf_metadata(path), path)
+
+
+def tokenizer_from_gguf_metadata(metadata: Dict[str, Any], path: str = "GGUF"):
+    """The transformers tokenizer built from GGUF metadata (ValueError, one line naming `path` and the
+    key, when it cannot be)."""
+    arch, fields, config = gguf_tokenizer_fields(metadata, path)
     from transformers.integrations.gguf import gguf_tokenizer_mapping as gguf_tokenizers
 
     if fields.get("tokenizer_type") == "gemma4":
@@ -275,16 +281,17 @@ def _from_gguf(path: str):
         tokenizer = gguf_tokenizers.select_tokenizer_builder(arch, fields.get("tokenizer_type"))(fields)
         tokenizer = gguf_tokenizers.add_gguf_special_tokens(tokenizer, fields)
         tokenizer = gguf_tokenizers.set_split_regex(tokenizer, fields)
+        for name in _GGUF_SPECIAL_IDS:
+            if name in config:
+                setattr(tokenizer, name, config[name])
+        if "chat_template" in config:
+            tokenizer.chat_template = config["chat_template"]
+        tokenizer.add_bos_token = bool(config.get("add_bos_token", False))
+        tokenizer.add_eos_token = bool(config.get("add_eos_token", False))
+        tokenizer.decode(tokenizer("The capital of France is").input_ids)  # some failures wait for the first use
     except Exception as e:  # noqa: BLE001  a third-party builder on untrusted metadata
         reason = " ".join(str(e).split())[:200]
         raise ValueError(f"{path}: its tokenizer cannot be built from the GGUF metadata ({type(e).__name__}: "
                          f"{reason})") from None
-    for name in _GGUF_SPECIAL_IDS:
-        if name in config:
-            setattr(tokenizer, name, config[name])
-    if "chat_template" in config:
-        tokenizer.chat_template = config["chat_template"]
-    tokenizer.add_bos_token = bool(config.get("add_bos_token", False))
-    tokenizer.add_eos_token = bool(config.get("add_eos_token", False))
     tokenizer.init_kwargs.update(config)
     return tokenizer

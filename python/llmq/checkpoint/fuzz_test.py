@@ -10,8 +10,11 @@ too and return the same tensors; for structured headers the reverse holds as wel
 GGUF files are also built field by field, and their counts and lengths (array element
 counts, string and key lengths, tensor and metadata counts, dims, offsets) overwritten
 with hostile values; where the reader accepts such a file, gguf-py's GGUFReader must
-read the same metadata and tensor table. Deterministic (derandomize) and bounded:
-about 4,000 examples, under a minute.
+read the same metadata and tensor table. Mutated safetensors files are also read as row
+blocks (iter_checkpoint(chunk_bytes=)), which must fail or succeed exactly as the whole
+read does and give the same bytes. (The GGUF hyper-parameter and tokenizer fields, read by
+the model packages, are fuzzed in models/pipeline/gguf_fuzz_test.py.) Deterministic
+(derandomize) and bounded: about 4,600 examples, under a minute.
 """
 
 import json
@@ -330,6 +333,42 @@ def test_gguf_hostile_counts_and_lengths(workdir, edits, delta, cut):
     assert meta == ref_meta
     header = gguf_header.parse_header(path)
     assert [(t.name, t.ggml_type, t.dims, t.start) for t in header.tensors] == ref_tensors
+
+
+def read_all_rows(path, chunk_bytes: int, multiple: int):
+    """Consume the reader with tensors over `chunk_bytes` as row blocks (iter_checkpoint(chunk_bytes=)),
+    every block read; return {name: whole tensor rebuilt from its blocks} or the CheckpointError."""
+    from llmq.quant.chunked import RowBlocks
+
+    with time_limit(5.0):
+        try:
+            out = {}
+            for name, value in iter_checkpoint(path, chunk_bytes=chunk_bytes, nonfinite="error"):
+                if isinstance(value, RowBlocks):
+                    rows = [block for _, block in value.blocks(multiple)]
+                    assert sum(b.shape[0] for b in rows) == value.shape[0]
+                    value = torch.cat(rows)
+                out[name] = value
+            return out
+        except CheckpointError as e:
+            return e
+
+
+@fuzz(600)
+@given(ops=mutations(hot_bytes=200), chunk_bytes=st.integers(1, 64), multiple=st.integers(1, 3))
+def test_mutated_safetensors_row_blocks(workdir, ops, chunk_bytes, multiple):
+    """Row-block reads of mutated files: only CheckpointError, and what is accepted equals the
+    whole-tensor read (NaN/Inf refused in either)."""
+    path = write_mutated(workdir, "rows.safetensors", seed_safetensors.cache, ops)
+    rows = read_all_rows(path, chunk_bytes, multiple)
+    whole = read_all(path, nonfinite="error")
+    if isinstance(rows, CheckpointError) or isinstance(whole, CheckpointError):
+        assert type(rows) is type(whole), (rows, whole)
+        return
+    assert rows.keys() == whole.keys()
+    for name in whole:
+        assert rows[name].dtype == whole[name].dtype and rows[name].shape == whole[name].shape
+        assert torch.equal(rows[name].view(torch.uint8), whole[name].view(torch.uint8)) if whole[name].numel() else True
 
 
 def seed_bundle(workdir):
