@@ -213,31 +213,27 @@ def checkpoint_names(path: os.PathLike, *, key_map: KeyMap = None,
     return out
 
 
+def _from_headers(path: os.PathLike, key_map: KeyMap, field: Callable[[Source, str], Any]) -> Optional[Dict[str, Any]]:
+    """{name after key_map: field(source, name)} in read order, or None when a field needs a read."""
+    plan = _plan(os.fspath(path), key_map, None)
+    try:
+        values = {out: field(plan.source, name) for name, out in plan.renames}
+    finally:
+        plan.source.close()
+    return None if any(v is None for v in values.values()) else values
+
+
 def checkpoint_shapes(path: os.PathLike, *, key_map: KeyMap = None) -> Optional[Dict[str, Tuple[int, ...]]]:
     """{name: stored shape} in read order, from the headers alone (names after key_map), or None
     for a format whose shapes need reading the tensors (torch pickles, bundles)."""
-    plan = _plan(os.fspath(path), key_map, None)
-    try:
-        shapes = {out: plan.source.shape(name) for name, out in plan.renames}
-    finally:
-        plan.source.close()
-    if any(s is None for s in shapes.values()):
-        return None
-    return shapes
+    return _from_headers(path, key_map, lambda source, name: source.shape(name))
 
 
 def checkpoint_stored_types(path: os.PathLike, *, key_map: KeyMap = None) -> Optional[Dict[str, str]]:
     """{name: stored type} in read order, by the file format's type name (safetensors "BF16", "I32";
     GGUF "F32", "Q4_K"), from the headers alone (names after key_map), or None for a format whose
     types need reading the tensors."""
-    plan = _plan(os.fspath(path), key_map, None)
-    try:
-        types = {out: plan.source.stored_type(name) for name, out in plan.renames}
-    finally:
-        plan.source.close()
-    if any(t is None for t in types.values()):
-        return None
-    return types
+    return _from_headers(path, key_map, lambda source, name: source.stored_type(name))
 
 
 class _ReadAhead:
