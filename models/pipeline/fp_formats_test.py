@@ -11,7 +11,8 @@ import torch
 
 from llmq.checkpoint import load_bundle, read_manifest
 from llmq.quant import QuantConfig, dequantize, format_of, quantize_weight
-from llmq.quant.fp import FP8Weight, NVFP4Weight
+from llmq.quant.formats.fp8 import FP8Weight
+from llmq.quant.formats.nvfp4 import NVFP4Weight
 from models.pipeline.default_model import write_default_checkpoint
 from models.pipeline.quantize_and_save import UsageError, model_tensors, run
 from models.qwen.spec import ARCHITECTURE as QWEN

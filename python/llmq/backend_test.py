@@ -64,7 +64,7 @@ def test_register_refuses_what_is_not_a_backend(clean_registry):
 @pytest.mark.parametrize("config", [
     QuantConfig(bits=4, group_size=32),
     QuantConfig(bits=8, group_size=None),
-    QuantConfig(format="fp8", bits=8, group_size=None),
+    QuantConfig(format="fp8", granularity="channel"),
     QuantConfig(format="mxfp8", bits=8, group_size=32),
     QuantConfig(format="mxfp4", bits=4, group_size=32),
     QuantConfig(format="nvfp4", bits=4, group_size=16),

@@ -25,7 +25,7 @@ from llmq.checkpoint import (
     save_bundle,
 )
 from llmq.checkpoint.testing_util import FORMAT_CONFIGS as CONFIGS
-from llmq.quant import dequantize, quantize_weight
+from llmq.quant import QuantConfig, dequantize, quantize_weight
 from llmq.quant.formats import format_names, format_of, get_format
 
 
@@ -85,7 +85,7 @@ def test_round_trip_is_bit_exact(tmp_path, label):
 
 
 def test_fp_record_names_format_and_params(tmp_path):
-    out = save_bundle(quantized_stream(CONFIGS["fp8_block128"]), tmp_path / "b", fsync=False)
+    out = save_bundle(quantized_stream(QuantConfig(format="fp8", granularity="block128")), tmp_path / "b", fsync=False)
     rec = read_manifest(out)["tensors"]["model.layers.0.mlp.down_proj.weight"]
     assert rec["format"] == "fp8" and rec["params"] == {"granularity": "block128"}
     assert rec["entries"] == {"data": "model.layers.0.mlp.down_proj.weight.data",
@@ -111,26 +111,26 @@ def edit_manifest(out, change):
 
 
 def test_fp_record_in_a_version_2_manifest_is_refused(tmp_path):
-    out = save_bundle(quantized_stream(CONFIGS["nvfp4"]), tmp_path / "b", fsync=False)
+    out = save_bundle(quantized_stream(QuantConfig(format="nvfp4")), tmp_path / "b", fsync=False)
     edit_manifest(out, lambda m: m.update(format_version=2))
     with pytest.raises(CorruptCheckpointError, match="bad tensor record"):
         load_bundle(out)
 
 
 def test_unknown_format_and_newer_version_are_refused(tmp_path):
-    out = save_bundle(quantized_stream(CONFIGS["mxfp4"]), tmp_path / "b", fsync=False)
+    out = save_bundle(quantized_stream(QuantConfig(format="mxfp4")), tmp_path / "b", fsync=False)
     for bad in ("mxfp3", "Q4_K"):  # unknown, and import-only (never stored)
         edit_manifest(out, lambda m: m["tensors"]["model.layers.0.mlp.down_proj.weight"].update(format=bad))
         with pytest.raises(CorruptCheckpointError, match="bad tensor record"):
             load_bundle(out)
-    out2 = save_bundle(quantized_stream(CONFIGS["mxfp4"]), tmp_path / "c", fsync=False)
+    out2 = save_bundle(quantized_stream(QuantConfig(format="mxfp4")), tmp_path / "c", fsync=False)
     edit_manifest(out2, lambda m: m.update(format_version=BUNDLE_VERSION + 1))
     with pytest.raises(BundleVersionError, match="newer"):
         load_bundle(out2)
 
 
 def test_parts_that_disagree_with_the_format_are_refused(tmp_path):
-    out = save_bundle(quantized_stream(CONFIGS["fp8_channel"]), tmp_path / "b", fsync=False)
+    out = save_bundle(quantized_stream(QuantConfig(format="fp8", granularity="channel")), tmp_path / "b", fsync=False)
     edit_manifest(out, lambda m: m["tensors"]["model.layers.0.mlp.down_proj.weight"]["params"].update(
         granularity="tensor"))  # the stored scale is per channel
     with pytest.raises(TensorMismatchError, match="stored parts disagree"):
@@ -138,7 +138,7 @@ def test_parts_that_disagree_with_the_format_are_refused(tmp_path):
 
 
 def test_fp_weights_have_no_torchao_form(tmp_path):
-    out = save_bundle(quantized_stream(CONFIGS["nvfp4"]), tmp_path / "b", fsync=False)
+    out = save_bundle(quantized_stream(QuantConfig(format="nvfp4")), tmp_path / "b", fsync=False)
     with pytest.raises(UnsupportedCheckpointError, match="no torchao conversion"):
         load_bundle(out, output="torchao")
 

@@ -27,6 +27,10 @@ class E5M2Weight:
 
 class E5M2Format(Format):
     family, names, container = "e5m2", ("fp8_e5m2",), E5M2Weight
+    config_fields = ("bits", "group_size")
+
+    def default_config(self, name):
+        return {"bits": 8, "group_size": None}
 
     def validate_config(self, config):
         if config.bits != 8 or config.group_size is not None:

@@ -3,22 +3,23 @@
 import contextlib
 import signal
 
-from llmq.quant import QuantConfig
+from llmq.quant import QuantConfig, format_names, get_format
 
-# One config per stored form the library quantizes to (integer widths and groupings, every FP format and
-# FP8 granularity), for the tests that write each to a bundle or an HF folder.
-FORMAT_CONFIGS = {
-    "int4": QuantConfig(format="int", bits=4, group_size=32),  # asymmetric
-    "int4_g64_sym": QuantConfig(bits=4, group_size=64, symmetric=True),
-    "int5_asym": QuantConfig(format="int", bits=5, group_size=64, symmetric=False),
-    "int8_row": QuantConfig(bits=8, group_size=None),
-    "fp8_tensor": QuantConfig(format="fp8", bits=8, group_size=0),
-    "fp8_channel": QuantConfig(format="fp8", bits=8, group_size=None),
-    "fp8_block128": QuantConfig(format="fp8", bits=8, group_size=128),
-    "mxfp4": QuantConfig(format="mxfp4", bits=4, group_size=32),
-    "mxfp8": QuantConfig(format="mxfp8", bits=8, group_size=32),
-    "nvfp4": QuantConfig(format="nvfp4", bits=4, group_size=16),
-}
+
+
+def format_configs():
+    """label -> config: every stored form the library quantizes to (each registered quantizable
+    format's `example_configs`), for the tests that write each to a bundle or an HF folder. Labels are
+    the configs' describe() text, e.g. 'int4_g32_asym', 'fp8_128x128', 'nvfp4_g16'."""
+    out = {}
+    for name in format_names(quantizable=True):
+        for fields in get_format(name).example_configs(name):
+            config = QuantConfig(format=name, **fields)
+            out[config.describe().replace(" ", "_")] = config
+    return out
+
+
+FORMAT_CONFIGS = format_configs()
 
 
 @contextlib.contextmanager

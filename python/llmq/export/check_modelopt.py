@@ -22,7 +22,10 @@ import sys
 
 import torch
 
-from llmq.quant import fp
+from llmq.quant.codecs import e8m0_decode, unpack_fp4
+from llmq.quant.formats.fp8 import quantize_fp8
+from llmq.quant.formats.mx import quantize_mx
+from llmq.quant.formats.nvfp4 import quantize_nvfp4
 
 
 def _tie_mask(x: torch.Tensor, block: int, scale: torch.Tensor) -> torch.Tensor:
@@ -34,7 +37,7 @@ def _tie_mask(x: torch.Tensor, block: int, scale: torch.Tensor) -> torch.Tensor:
 
 def _differing_codes(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Mask of differing 4-bit codes, treating codes 0 and 8 (+0 / -0) as equal."""
-    ua, ub = fp.unpack_fp4(a), fp.unpack_fp4(b)
+    ua, ub = unpack_fp4(a), unpack_fp4(b)
     ua = torch.where(ua == 8, torch.zeros_like(ua), ua)
     ub = torch.where(ub == 8, torch.zeros_like(ub), ub)
     return ua != ub
@@ -57,7 +60,7 @@ def main() -> int:
 
         # NVFP4 (per-tensor global scale over the whole 2-D view)
         theirs, s_theirs, s2_theirs = NVFP4QTensor.quantize(w2.clone(), 16)
-        ours = fp.quantize_nvfp4(w2)
+        ours = quantize_nvfp4(w2)
         same_scale = torch.equal(ours.block_scale.view(torch.uint8), s_theirs.view(torch.uint8)) and ours.global_scale.item() == s2_theirs.float().item()
         diff = int(_differing_codes(ours.codes, theirs._quantized_data).sum())
         print(f"NVFP4 {list(w2.shape)}: scales identical={same_scale}, weight_scale_2 ours={ours.global_scale.item():.9g} theirs={s2_theirs.float().item():.9g}, differing codes={diff}")
@@ -65,10 +68,10 @@ def main() -> int:
 
         # MXFP4
         theirs, e_theirs = MXFP4QTensor.quantize(w2.clone(), 32)
-        ours = fp.quantize_mx(w2, "mxfp4")
+        ours = quantize_mx(w2, "mxfp4")
         same_scale = torch.equal(ours.scale_e8m0.reshape(-1), e_theirs.reshape(-1))
         differ = _differing_codes(ours.codes, theirs._quantized_data.reshape(ours.codes.shape))
-        ties = _tie_mask(w2, 32, fp.e8m0_decode(ours.scale_e8m0))
+        ties = _tie_mask(w2, 32, e8m0_decode(ours.scale_e8m0))
         off_tie = int((differ & ~ties).sum())
         print(f"MXFP4 {list(w2.shape)}: scales identical={same_scale}, differing codes={int(differ.sum())}, "
               f"of which not at an E2M1 midpoint: {off_tie} (midpoint elements: {int(ties.sum())})")
@@ -76,7 +79,7 @@ def main() -> int:
 
         # MXFP8
         theirs, e_theirs = MXFP8QTensor.quantize(w2.clone())
-        ours = fp.quantize_mx(w2, "mxfp8")
+        ours = quantize_mx(w2, "mxfp8")
         same_scale = torch.equal(ours.scale_e8m0.reshape(-1), e_theirs.reshape(-1))
         diff = int((ours.codes != theirs._quantized_data.view(torch.uint8).reshape(ours.codes.shape)).sum())
         print(f"MXFP8 {list(w2.shape)}: scales identical={same_scale}, differing bytes={diff}")
@@ -87,7 +90,7 @@ def main() -> int:
         # bf16, so the quotient is rounded to bf16 before e4m3 (a double rounding); we round the
         # float32 quotient once. On a float32 copy of the weight the two must agree exactly.
         scale = w2.float().abs().amax() / 448.0
-        ours = fp.quantize_fp8(w2, "tensor")
+        ours = quantize_fp8(w2, "tensor")
         t32, s32 = FP8QTensor.quantize(w2.float(), scales=scale)
         t16, _ = FP8QTensor.quantize(w2.clone(), scales=scale)
         same_scale = ours.scale.item() == s32.float().item()

@@ -16,7 +16,8 @@ from llmq.export import (
     merge_export_states,
     select_export_state,
 )
-from llmq.quant import fp
+from llmq.quant import get_format
+from llmq.quant.formats.mx import quantize_mx
 
 CASES = [
     ("nvfp4", None, False),
@@ -46,7 +47,7 @@ def test_tensors_have_the_spec_names_dtypes_shapes_and_values(style, fmt, gran, 
     for role, name in names.items():
         assert out[name].dtype == dtypes[role], (role, out[name].dtype)
         assert tuple(out[name].shape) == shapes[role], (role, tuple(out[name].shape))
-    ref = fp.dequantize_fp(fp.quantize_fp_weight(w, make_spec("m.lin", {"format": fmt, "granularity": gran}, style="compressed-tensors")))
+    ref = get_format(fmt).dequantize(get_format(fmt).quantize(w, make_spec("m.lin", {"format": fmt, "granularity": gran}, style="compressed-tensors")))
     got = dequantize_exported_tensors(out, spec)
     if fmt == "nvfp4" and style == "compressed-tensors":
         assert bool(((got - ref).abs() <= ref.abs() * 2.0**-23).all())  # 1/g is stored: one rounding apart
@@ -135,7 +136,7 @@ def test_spec_errors():
     with pytest.raises(ValueError, match="needs an activation amax"):
         compute_export_state(torch.ones(4, 16), WeightExportSpec("m", "nvfp4", static_input_scale=True))
     with pytest.raises(ValueError, match="spec says nvfp4, got a MXWeight"):
-        export_quantized_weight_tensors(fp.quantize_mx(torch.ones(2, 32), "mxfp4"), WeightExportSpec("m", "nvfp4"))
+        export_quantized_weight_tensors(quantize_mx(torch.ones(2, 32), "mxfp4"), WeightExportSpec("m", "nvfp4"))
 
 
 def test_modelopt_configs_single_and_mixed():

@@ -62,6 +62,10 @@ class Int8RowHFExport(HFExport):
 
 class Int8RowFormat(Format):
     family, names, container, hf_export = "int8_row", ("int8_row",), Int8RowWeight, Int8RowHFExport()
+    config_fields = ("bits", "group_size")
+
+    def default_config(self, name):
+        return {"bits": 8, "group_size": None}
 
     def validate_config(self, config):
         if config.bits != 8 or config.group_size is not None:

@@ -13,7 +13,7 @@ from llmq.export import ExportState, consumer_warnings, make_spec, read_export, 
 from llmq.quant.presets import FP8_PER_CHANNEL as FP8_CHANNEL, INT4, MXFP4, MXFP8, NVFP4
 from llmq.quant.recipe import QuantConfig
 
-FP8_BLOCK = QuantConfig(format="fp8", bits=8, group_size=128)
+FP8_BLOCK = QuantConfig(format="fp8", granularity="block128")
 INT8_ASYM = QuantConfig(format="int", bits=8, group_size=64, symmetric=False)
 KEEP = ("lm_head", "embed_tokens", "mlp.gate")
 SIBLINGS = [("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")]

@@ -140,7 +140,7 @@ def make_spec(module: str, config: Any, *, style: str = "modelopt", static_input
         bits=get("bits", 4),
         group_size=gs,
         granularity=get("granularity"),
-        symmetric=get("symmetric", True),
+        symmetric=get("symmetric") is not False,  # None: a format without the field (FP: symmetric)
         static_input_scale=static_input_scale,
     )
 

@@ -24,7 +24,7 @@ from llmq.quant.recipe import QuantConfig
 
 KEEP = ("lm_head", "embed_tokens", "mlp.gate")
 CONFIGS = {
-    "fp8 channel": QuantConfig(format="fp8", bits=8, group_size=None),
+    "fp8 channel": QuantConfig(format="fp8", granularity="channel"),
     "nvfp4": QuantConfig(format="nvfp4", bits=4, group_size=16),
     "mxfp4": QuantConfig(format="mxfp4", bits=4, group_size=32),
     "mxfp8": QuantConfig(format="mxfp8", bits=8, group_size=32),

@@ -43,7 +43,7 @@ from llmq.export.spec import (
 )
 from llmq.checkpoint.shard_file import placeholder
 from llmq.export.tensors import export_quantized_weight_tensors
-from llmq.quant import fp
+from llmq.quant.codecs import FLOAT_DTYPES
 from llmq.quant.chunked import SECOND_PASS_KEPT_BLOCKS, RowBlocks
 
 _SIBLINGS = {
@@ -57,9 +57,6 @@ _SIBLINGS = {
 # keep_unquantized=() (vLLM and TensorRT-LLM load these as plain layers): token embeddings,
 # the output head, MoE routers and shared-expert gates.
 DEFAULT_KEEP_UNQUANTIZED = (r".*embed_tokens", r".*lm_head", r".*\.mlp\.gate", r".*\.router", r".*shared_expert_gate")
-# Formats whose exported tensors are, row for row, those of a block of rows (with the whole
-# weight's state): a RowBlocks weight in one of them is quantized and written block by block.
-_ROW_BLOCK_FORMATS = ("fp8", "mxfp4", "mxfp8", "nvfp4")
 _FUSED_EXPERTS = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<proj>gate_up_proj|down_proj)(?:\.weight)?$")
 
 
@@ -140,8 +137,8 @@ class _Exporter:
         """Quantize and write a weight block of rows by block (same bytes as whole); False where
         its format, shape or the shard layout does not allow it (nothing is written then)."""
         n, k = weight.shape if weight.dim() == 2 else (0, 0)
-        multiple = fp.FP8_BLOCK if spec.granularity == "block128" else 1
-        if spec.format not in _ROW_BLOCK_FORMATS or not n or n % multiple or weight.dtype not in fp.FLOAT_DTYPES:
+        multiple = spec.hook.row_block_rows(spec)  # the format says whether its tensors split by rows
+        if multiple is None or not n or n % multiple or weight.dtype not in FLOAT_DTYPES:
             return False
         try:  # names, order and dtypes of what the whole weight gives, from a block of zeros
             probe = export_quantized_weight_tensors(torch.zeros((multiple, k), dtype=weight.dtype), spec, state)

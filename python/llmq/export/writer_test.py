@@ -12,11 +12,12 @@ from safetensors.torch import load_file
 
 from llmq.checkpoint import CheckpointError, ResumeMismatchError
 from llmq.export import write_hf_quantized_checkpoint
-from llmq.quant import fp
+from llmq.quant import dequantize, quantize_weight
+from llmq.quant.formats.nvfp4 import quantize_nvfp4
 from llmq.quant.presets import FP8_PER_CHANNEL as FP8_CHANNEL, INT4, MXFP4, MXFP8, NVFP4
 from llmq.quant.recipe import QuantConfig
 
-FP8_BLOCK = QuantConfig(format="fp8", bits=8, group_size=128)
+FP8_BLOCK = QuantConfig(format="fp8", granularity="block128")
 INT8_ASYM = QuantConfig(format="int", bits=8, group_size=64, symmetric=False)
 UNQUANTIZED = ("lm_head", "embed_tokens", "mlp.gate")
 
@@ -87,12 +88,8 @@ def _canonical(module, w, sources, config):
         parent, _, leaf = module.rpartition(".")
         group = ("q_proj", "k_proj", "v_proj") if leaf in ("q_proj", "k_proj", "v_proj") else ("gate_proj", "up_proj") if leaf in ("gate_proj", "up_proj") else (leaf,)
         amax = max(sources[f"{parent}.{s}"].float().abs().max() for s in group)
-        return fp.dequantize_fp(fp.quantize_nvfp4(w, global_scale=amax / 2688.0))
-    if config.format == "int":
-        from llmq.quant.quantize import dequantize, quantize_weight
-
-        return dequantize(quantize_weight(w, config), torch.float32)
-    return fp.dequantize_fp(fp.quantize_fp_weight(w, config))
+        return dequantize(quantize_nvfp4(w, global_scale=amax / 2688.0), torch.float32)
+    return dequantize(quantize_weight(w, config), torch.float32)
 
 
 def test_compressed_tensors_decompresses_our_folder_exactly(tiny_moe, tmp_path):

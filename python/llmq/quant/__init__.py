@@ -1,9 +1,9 @@
-"""llmq.quant: the format registry (llmq.quant.formats), recipes, weight quantization into the
-canonical group-wise integer form and the floating-point formats, model / stream application,
-and exact converters at the edges (docs/formats.md).
+"""llmq.quant: the format registry (llmq.quant.formats, one module per format family that owns
+its container and math), recipes, quantize_weight / dequantize (the front door, quantize.py),
+model / stream application, and exact converters at the edges (docs/formats.md).
 
-The torchao converters (`to_torchao`, `from_torchao`) are imported on first use, so that
-`import llmq.quant` does not import torchao.
+The torchao converters (`to_torchao`, `from_torchao`, the "int" family's) import torchao on
+first use, so that `import llmq.quant` does not import torchao.
 """
 
 from llmq.quant._native import native_kernel_available
@@ -19,6 +19,7 @@ from llmq.quant.formats import (
     register_format,
     unpack_bits,
 )
+from llmq.quant.formats.int_affine import from_torchao, to_torchao
 from llmq.quant.fuse import fuse_along_output
 from llmq.quant.quantize_model import QuantizationReport, ReportEntry, quantize_model
 from llmq.quant.modules import QuantizedEmbedding, QuantizedLinear
@@ -26,8 +27,6 @@ from llmq.quant.presets import PRESETS, get_preset, load_recipe, register_preset
 from llmq.quant.quantize import dequantize, quantize_weight
 from llmq.quant.recipe import QuantConfig, QuantRecipe, QuantRule
 from llmq.quant.stream import quantize_stream
-
-_LAZY = {"to_torchao": "llmq.quant.torchao_interop", "from_torchao": "llmq.quant.torchao_interop"}
 
 __all__ = [
     "QuantConfig",
@@ -61,12 +60,3 @@ __all__ = [
     "is_quantized",
 ]
 
-
-def __getattr__(name):
-    if name in _LAZY:
-        import importlib
-
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'llmq.quant' has no attribute {name!r}")

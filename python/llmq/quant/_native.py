@@ -224,21 +224,19 @@ def gguf_decode_available() -> bool:
     return m is not None and hasattr(m, "gguf_decode")
 
 
-def gguf_decode(type_name: str, blocks: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor,
-                *, threads: Optional[int] = None) -> None:
+def gguf_decode(type_name: str, geometry: Tuple[int, int, int, int], blocks: torch.Tensor, qdata: torch.Tensor,
+                scale: torch.Tensor, bias: torch.Tensor, *, threads: Optional[int] = None) -> None:
     """Whole GGUF blocks (contiguous CPU uint8, n_blocks * block_bytes) -> the canonical codes, scales and
     biases written into qdata (uint8, n_blocks*block*bits/8), scale and bias (float32, n_blocks*block/group
-    each), all contiguous CPU tensors (cpp/quant/gguf_blocks.h). The caller (formats.gguf_blocks) has
-    checked the type and the sizes."""
+    each), all contiguous CPU tensors (cpp/quant/gguf_blocks.h). geometry: the type's (elements per block,
+    bytes per block, canonical bits, canonical group size), from its format module (formats.gguf_blocks)."""
     m = _load()
     if m is None or not hasattr(m, "gguf_decode"):
         raise RuntimeError(f"the quantization kernel has no gguf_decode: {_error or 'an older build'}")
     for t, dtype in ((blocks, torch.uint8), (qdata, torch.uint8), (scale, torch.float32), (bias, torch.float32)):
         if t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous():
             raise ValueError(f"gguf_decode needs contiguous CPU {dtype} buffers, got {t.dtype} on {t.device}")
-    from llmq.quant.formats.gguf_blocks import BLOCK_TYPES
-
-    block, block_bytes, bits, group = BLOCK_TYPES[type_name]
+    block, block_bytes, bits, group = geometry
     n_blocks = blocks.numel() // block_bytes
     if (blocks.numel() % block_bytes or qdata.numel() != n_blocks * block * bits // 8
             or scale.numel() != n_blocks * block // group or bias.numel() != scale.numel()):

@@ -1,7 +1,10 @@
-"""Compiled fast path for the FP quantizers in `llmq.quant.fp` (the same extension as
-`_native`, //cpp/quant:_quant_kernel.so, functions quantize_fp8 / quantize_mx / quantize_nvfp4).
+"""Compiled fast path for the FP quantizers of formats/fp8.py, mx.py and nvfp4.py (the same
+extension as `_native`, //cpp/quant:_quant_kernel.so, functions quantize_fp8 / quantize_mx /
+quantize_nvfp4). The caller passes the geometry (block sizes, element width); the kernel serves
+the ones it was built for (FP8 tiles of 128, MX blocks of 32, NVFP4 blocks of 16) and returns None
+for any other.
 
-The kernel reproduces fp.py's torch reference bit for bit (cpp/quant/fp_quant.h), so using it
+The kernel reproduces the families' torch references bit for bit (cpp/quant/fp_quant.h), so using it
 or not changes speed only. Each function returns the raw output tensors, or None whenever the
 kernel is not loaded or the input is anything but the plain case (a contiguous-able CPU float
 tensor of 1-3 dims, block-aligned, valid override scales) or holds a NaN/Inf: the caller then
@@ -14,7 +17,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from llmq.quant import _native
+import llmq.quant._native as _native
 
 _INPUT_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -49,11 +52,18 @@ def _rows(w: torch.Tensor) -> torch.Tensor:
     return w.reshape(-1, w.shape[-1]).contiguous()
 
 
-def quantize_fp8(w, granularity: str, scale=None, *, threads: Optional[int] = None, isa: str = "auto"):
-    """(data float8_e4m3fn shaped like w, scale float32) as fp.quantize_fp8, or None."""
+# The geometry the kernel implements.
+_FP8_TILE, _MX_BLOCK, _NVFP4_BLOCK = 128, 32, 16
+
+
+def quantize_fp8(w, granularity: str, scale=None, *, block: int, threads: Optional[int] = None,
+                 isa: str = "auto"):
+    """(data float8_e4m3fn shaped like w, scale float32) as formats.fp8.quantize_fp8, or None.
+    block: the tile edge of granularity "block128"."""
     m = _native._load()
-    block = 128 if granularity == "block128" else 1
-    if m is None or granularity not in ("tensor", "channel", "block128") or not _plain(w, block):
+    multiple = block if granularity == "block128" else 1
+    if (m is None or granularity not in ("tensor", "channel", "block128") or block != _FP8_TILE
+            or not _plain(w, multiple)):
         return None
     shape = tuple(w.shape)
     if granularity == "tensor":
@@ -62,9 +72,9 @@ def quantize_fp8(w, granularity: str, scale=None, *, threads: Optional[int] = No
     elif granularity == "channel":
         expect, rows_per_scale = shape[:-1] + (1,), 1
     else:
-        if len(shape) < 2 or shape[-2] % 128:
+        if len(shape) < 2 or shape[-2] % block:
             return None
-        expect, rows_per_scale = shape[:-2] + (shape[-2] // 128, shape[-1] // 128), 1
+        expect, rows_per_scale = shape[:-2] + (shape[-2] // block, shape[-1] // block), 1
     compute = scale is None
     scale = _scale_buffer(scale, expect)
     if scale is None:
@@ -78,19 +88,17 @@ def quantize_fp8(w, granularity: str, scale=None, *, threads: Optional[int] = No
     return (out.view(torch.float8_e4m3fn).reshape(shape), scale) if status == "ok" else None
 
 
-def quantize_mx(w, fmt: str, *, threads: Optional[int] = None, isa: str = "auto"):
-    """(codes uint8, scale_e8m0 uint8) shaped as fp.quantize_mx's, or None."""
-    from llmq.quant.fp import MX_ELEMENTS  # fp imports this module
-
+def quantize_mx(w, element_bits: int, *, block: int, threads: Optional[int] = None, isa: str = "auto"):
+    """(codes uint8, scale_e8m0 uint8) shaped as formats.mx.quantize_mx's, or None. element_bits:
+    4 for E2M1 elements (packed two per byte), 8 for E4M3; block: elements per E8M0 scale."""
     m = _native._load()
-    element = MX_ELEMENTS.get(fmt)
-    if m is None or element is None or not _plain(w, 32):
+    if m is None or element_bits not in (4, 8) or block != _MX_BLOCK or not _plain(w, block):
         return None
     lead, k = tuple(w.shape[:-1]), w.shape[-1]
-    fp4 = element.bits == 4  # the kernel's two element types: E2M1 or E4M3
+    fp4 = element_bits == 4  # the kernel's two element types: E2M1 or E4M3
     rows = _rows(w)
-    codes = torch.empty(lead + (k * element.bits // 8,), dtype=torch.uint8)
-    scales = torch.empty(lead + (k // 32,), dtype=torch.uint8)
+    codes = torch.empty(lead + (k * element_bits // 8,), dtype=torch.uint8)
+    scales = torch.empty(lead + (k // block,), dtype=torch.uint8)
     status = m.quantize_mx(
         rows.data_ptr(), _INPUT_NAMES[rows.dtype], rows.shape[0], k, fp4, codes.data_ptr(), scales.data_ptr(),
         _threads(threads), isa,
@@ -98,10 +106,12 @@ def quantize_mx(w, fmt: str, *, threads: Optional[int] = None, isa: str = "auto"
     return (codes, scales) if status == "ok" else None
 
 
-def quantize_nvfp4(w, global_scale=None, *, threads: Optional[int] = None, isa: str = "auto"):
-    """(codes uint8, block_scale float8_e4m3fn, global_scale float32) as fp.quantize_nvfp4's, or None."""
+def quantize_nvfp4(w, global_scale=None, *, block: int, threads: Optional[int] = None,
+                   isa: str = "auto"):
+    """(codes uint8, block_scale float8_e4m3fn, global_scale float32) as formats.nvfp4.quantize_nvfp4's,
+    or None. block: elements per e4m3 block scale."""
     m = _native._load()
-    if m is None or not _plain(w, 16):
+    if m is None or block != _NVFP4_BLOCK or not _plain(w, block):
         return None
     shape = tuple(w.shape)
     lead, k = shape[:-1], shape[-1]
@@ -112,7 +122,7 @@ def quantize_nvfp4(w, global_scale=None, *, threads: Optional[int] = None, isa: 
         return None
     rows = _rows(w)
     codes = torch.empty(lead + (k // 2,), dtype=torch.uint8)
-    block_scale = torch.empty(lead + (k // 16,), dtype=torch.uint8)
+    block_scale = torch.empty(lead + (k // block,), dtype=torch.uint8)
     rows_per_global = rows.shape[0] // max(1, g.numel())
     status = m.quantize_nvfp4(
         rows.data_ptr(), _INPUT_NAMES[rows.dtype], rows.shape[0], k, rows_per_global, compute, g.data_ptr(),

@@ -24,7 +24,8 @@ import time
 import torch
 
 from llmq.quant import QuantConfig, _native
-from llmq.quant.quantize import quantize_weight, quantize_weight_torch
+from llmq.quant.formats.int_affine import quantize_weight_torch
+from llmq.quant.quantize import quantize_weight
 
 SHAPES = {"4096x4096": (4096, 4096), "experts64x1024x2048": (64, 1024, 2048)}
 CONFIGS = {

@@ -27,6 +27,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
+import llmq.quant._native_fp as _native_fp
 from llmq.quant.formats import Format, get_format
 from llmq.quant.formats.base import RowQuantizer
 
@@ -107,8 +108,6 @@ class RowBlocks:
         caller that quantizes this tensor right after its amax (a per-tensor scale's second
         pass), at the cost of that many blocks held in between. They are known finite, as a
         checked read would find. The next `blocks()` call releases them."""
-        from llmq.quant import _native_fp
-
         amax, kept = None, []
         self._kept = {}
         for r0, block in self.blocks(check=False):
@@ -169,8 +168,6 @@ class TensorRowBlocks(RowBlocks):
 
 def _block_abs_max(block: torch.Tensor) -> torch.Tensor:
     """float32 max |block| (0-dim), exact."""
-    from llmq.quant import _native_fp
-
     amax = _native_fp.abs_max(block, False)
     return amax if amax is not None else block.abs().amax().float()
 

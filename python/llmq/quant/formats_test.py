@@ -9,8 +9,12 @@ from llmq.quant.formats.gguf_blocks import BLOCK_TYPES
 
 
 def test_names_and_families():
-    assert format_names(quantizable=True) == ("int", "fp8", "mxfp4", "mxfp8", "nvfp4")
-    assert set(format_names(quantizable=False)) == set(BLOCK_TYPES)
+    names = format_names()
+    assert names and set(format_names(quantizable=True)) | set(format_names(quantizable=False)) == set(names)
+    for name in names:
+        fmt = get_format(name)
+        assert name in fmt.names and fmt.can_quantize == (name in format_names(quantizable=True))
+    assert set(format_names(quantizable=False)) >= set(BLOCK_TYPES)
     assert get_format("mxfp4") is get_format("mxfp8")
     assert get_format("Q4_K").family == "gguf"
     with pytest.raises(ValueError, match=r"format 'int3' unknown; expected one of \('int', 'fp8'"):
@@ -24,8 +28,10 @@ def test_config_validation_goes_through_the_format():
         QuantConfig(format="Q4_K", bits=4, group_size=32)
     with pytest.raises(ValueError, match="format 'nvfp4' uses group_size=16, got 32"):
         QuantConfig(format="nvfp4", bits=4, group_size=32)
-    with pytest.raises(ValueError, match="unsupported for fp8"):
-        QuantConfig(format="fp8", bits=8, group_size=64)
+    with pytest.raises(ValueError, match=r"FP8 group_size=64 unsupported; use 0 \(per tensor\)"):
+        QuantConfig.from_dict({"format": "fp8", "bits": 8, "group_size": 64})
+    with pytest.raises(ValueError, match="QuantConfig.granularity='row' unsupported for fp8"):
+        QuantConfig(format="fp8", granularity="row")
     with pytest.raises(ValueError, match="bits=9 unsupported for format 'int'"):
         QuantConfig(format="int", bits=9)
 
@@ -49,8 +55,7 @@ def test_duplicate_names_are_refused():
 def test_quantize_and_dequantize_dispatch_by_container():
     w = torch.randn(32, 64, generator=torch.Generator().manual_seed(0))
     for name in format_names(quantizable=True):
-        fixed = {"int": (4, 32), "fp8": (8, None), "mxfp4": (4, 32), "mxfp8": (8, 32), "nvfp4": (4, 16)}[name]
-        q = quantize_weight(w, QuantConfig(format=name, bits=fixed[0], group_size=fixed[1]))
+        q = quantize_weight(w, QuantConfig(format=name))
         fmt = format_of(q)
         assert fmt is get_format(name) and fmt.name_of(q) == name
         assert torch.equal(dequantize(q), fmt.dequantize(q, torch.float32))
@@ -72,3 +77,45 @@ def test_gguf_layout_is_the_raw_block_bytes():
     assert fmt.layout("Q6_K", {}, (4, 512)) == {"blocks": (torch.uint8, (4 * 2 * 210,))}
     with pytest.raises(ValueError, match="multiple of 256"):
         fmt.layout("Q6_K", {}, (4, 100))
+
+
+def test_a_config_is_complete_from_its_format_alone():
+    """{"format": name} takes every field from the format's defaults, for every quantizable format,
+    and round-trips through to_dict / from_dict with only the fields the format uses."""
+    w = torch.randn(32, 64, generator=torch.Generator().manual_seed(1))
+    for name in format_names(quantizable=True):
+        fmt = get_format(name)
+        recipe = QuantRecipe.from_dict({"rules": [{"pattern": ".*", "config": {"format": name}}]})
+        config = recipe.get_config("m")
+        assert config == QuantConfig(format=name)
+        for field, value in fmt.default_config(name).items():
+            assert getattr(config, field) == value, (name, field)
+        d = config.to_dict()
+        assert set(d) == {"format", "method", *fmt.config_fields}
+        assert QuantConfig.from_dict(d) == config
+        assert format_of(quantize_weight(w, config)) is fmt
+        assert config.describe()
+
+
+def test_a_field_the_format_does_not_use_is_refused_by_name():
+    for name in format_names(quantizable=True):
+        unused = [f for f in ("bits", "group_size", "symmetric", "scale_dtype", "granularity")
+                  if f not in get_format(name).config_fields]
+        for field in unused:
+            with pytest.raises(ValueError, match=rf"QuantConfig field\(s\) \['{field}'\] do not apply to format '{name}'"):
+                QuantConfig(format=name, **{field: None})
+    assert QuantConfig(format="nvfp4").symmetric is None  # unused fields stay unset
+
+
+def test_fp8_granularity_is_its_own_field_and_old_recipe_files_still_read():
+    assert QuantConfig(format="fp8").granularity == "channel"
+    assert QuantConfig(format="fp8").describe() == "fp8 per channel"
+    # what recipe files and bundle manifests held before the field existed
+    old = {"format": "fp8", "bits": 8, "group_size": 0, "symmetric": True, "method": "minmax", "scale_dtype": "float32"}
+    assert QuantConfig.from_dict(old) == QuantConfig(format="fp8", granularity="tensor")
+    assert QuantConfig.from_dict({**old, "group_size": 128}).granularity == "block128"
+    assert QuantConfig.from_dict({**old, "group_size": None}).granularity == "channel"
+    old_nvfp4 = {"format": "nvfp4", "bits": 4, "group_size": 16, "symmetric": True, "method": "minmax", "scale_dtype": "float32"}
+    assert QuantConfig.from_dict(old_nvfp4) == QuantConfig(format="nvfp4")
+    with pytest.raises(ValueError, match=r"\['symmetric'\] do not apply to format 'nvfp4'"):
+        QuantConfig.from_dict({**old_nvfp4, "symmetric": False})

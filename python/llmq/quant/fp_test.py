@@ -1,4 +1,5 @@
-"""Tests for the floating-point formats (llmq.quant.fp) against independent references:
+"""Tests for the floating-point format families (llmq.quant.formats.fp8 / mx / nvfp4 and the
+shared codecs) against independent references:
 torch's own float8_e4m3fn cast, torchao's MX quantizer (RCEIL = ceil(log2(amax/Emax))), and a
 written-out NVFP4 reference of ModelOpt's documented formulas using a plain E2M1 table."""
 
@@ -7,19 +8,17 @@ import math
 import pytest
 import torch
 
-from llmq.quant import fp
-from llmq.quant.fp import (
-    FP8Weight,
-    MXWeight,
-    NVFP4Weight,
-    dequantize_fp,
-    quantize_fp8,
-    quantize_fp_weight,
-    quantize_mx,
-    quantize_nvfp4,
-)
+from llmq.quant import QuantConfig, dequantize, quantize_weight
+from llmq.quant import codecs as fp
+from llmq.quant.formats.fp8 import FP8Weight, quantize_fp8
+from llmq.quant.formats.mx import MXWeight, quantize_mx
+from llmq.quant.formats.nvfp4 import NVFP4Weight, quantize_nvfp4
 
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def dequantize_fp(q):
+    return dequantize(q, torch.float32)
 
 
 def _weights(seed, shape, dtype=torch.bfloat16):
@@ -325,15 +324,14 @@ def test_container_validation():
         FP8Weight(torch.zeros(4, 16, dtype=torch.float8_e4m3fn), torch.ones(4), "channel")
 
 
-def test_quantize_fp_weight_reads_recipe_configs():
-    from llmq.quant.recipe import QuantConfig
-
+def test_quantize_weight_reads_fp_configs():
     w = _weights(12, (128, 128))
-    assert isinstance(quantize_fp_weight(w, QuantConfig(format="nvfp4", bits=4, group_size=16)), NVFP4Weight)
-    mx = quantize_fp_weight(w, QuantConfig(format="mxfp4", bits=4, group_size=32))
+    assert isinstance(quantize_weight(w, QuantConfig(format="nvfp4", bits=4, group_size=16)), NVFP4Weight)
+    mx = quantize_weight(w, QuantConfig(format="mxfp4", bits=4, group_size=32))
     assert isinstance(mx, MXWeight) and mx.fmt == "mxfp4"
-    assert quantize_fp_weight(w, QuantConfig(format="mxfp8", bits=8, group_size=32)).fmt == "mxfp8"
-    assert quantize_fp_weight(w, QuantConfig(format="fp8", bits=8, group_size=None)).granularity == "channel"
-    assert quantize_fp_weight(w, QuantConfig(format="fp8", bits=8, group_size=128)).granularity == "block128"
-    with pytest.raises(ValueError, match="not a floating-point format"):
-        quantize_fp_weight(w, QuantConfig(format="int", bits=4, group_size=32))
+    assert quantize_weight(w, QuantConfig(format="mxfp8")).fmt == "mxfp8"
+    assert quantize_weight(w, QuantConfig(format="fp8")).granularity == "channel"
+    assert quantize_weight(w, QuantConfig(format="fp8", granularity="block128")).granularity == "block128"
+    # recipe files that chose the FP8 granularity with group_size still read
+    old = QuantConfig.from_dict({"format": "fp8", "bits": 8, "group_size": 128})
+    assert quantize_weight(w, old).granularity == "block128"

@@ -38,6 +38,8 @@ from typing import Optional, Tuple
 
 import torch
 
+import llmq.quant._native as _native
+
 P_NORM = 0.7
 BETA = 10.0
 KAPPA = 1.01
@@ -180,7 +182,6 @@ def hqq_qparams(g: torch.Tensor, bits: int, importance: Optional[torch.Tensor] =
     """(scale, zero) per group of finite float32 g[R, G, gs] (importance: optional positive
     float32 [G, gs]), through the compiled kernel (cpp/quant/hqq_quant.h, same bits) when it
     is loaded, else hqq_qparams_torch."""
-    from llmq.quant import _native
 
     if g.device.type == "cpu" and _native.hqq_available():
         rows, groups, gs = g.shape

@@ -1,5 +1,5 @@
-"""The compiled FP quantizers (cpp/quant/fp_quant.h via llmq.quant._native_fp) against fp.py's
-torch reference: every code byte and every scale bit pattern identical, on every ISA path the
+"""The compiled FP quantizers (cpp/quant/fp_quant.h via llmq.quant._native_fp) against the torch references of
+formats/fp8.py, mx.py and nvfp4.py: every code byte and every scale bit pattern identical, on every ISA path the
 CPU has and several thread counts, for float32/bfloat16/float16 inputs that cover every
 exponent (subnormals, extremes), exact ties on the E2M1 and E4M3 grids, zeros and -0.0,
 stacked experts and caller-given scales. NaN/Inf make the kernel decline (the reference then
@@ -12,7 +12,11 @@ from unittest import mock
 import pytest
 import torch
 
-from llmq.quant import _native, _native_fp, fp
+from llmq.quant import _native, _native_fp
+from llmq.quant.codecs import E2M1_VALUES
+from llmq.quant.formats import fp8 as fp8_fmt
+from llmq.quant.formats import mx as mx_fmt
+from llmq.quant.formats import nvfp4 as nvfp4_fmt
 
 _ORDER = ("scalar", "avx2", "avx512")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -55,41 +59,41 @@ def _assert_same(got, want, what):
 
 
 def _fp8(w, isa, threads, granularity, scale=None):
-    r = _native_fp.quantize_fp8(w, granularity, scale, threads=threads, isa=isa)
+    r = _native_fp.quantize_fp8(w, granularity, scale, block=128, threads=threads, isa=isa)
     assert r is not None, "kernel declined a finite input"
-    return fp.FP8Weight(data=r[0], scale=r[1], granularity=granularity, dtype=w.dtype)
+    return fp8_fmt.FP8Weight(data=r[0], scale=r[1], granularity=granularity, dtype=w.dtype)
 
 
 def _mx(w, isa, threads, fmt):
-    r = _native_fp.quantize_mx(w, fmt, threads=threads, isa=isa)
+    r = _native_fp.quantize_mx(w, mx_fmt.ELEMENTS[fmt].bits, block=32, threads=threads, isa=isa)
     assert r is not None, "kernel declined a finite input"
-    return fp.MXWeight(codes=r[0], scale_e8m0=r[1], fmt=fmt, shape=tuple(w.shape), dtype=w.dtype)
+    return mx_fmt.MXWeight(codes=r[0], scale_e8m0=r[1], fmt=fmt, shape=tuple(w.shape), dtype=w.dtype)
 
 
 def _nvfp4(w, isa, threads, global_scale=None):
-    r = _native_fp.quantize_nvfp4(w, global_scale, threads=threads, isa=isa)
+    r = _native_fp.quantize_nvfp4(w, global_scale, block=16, threads=threads, isa=isa)
     assert r is not None, "kernel declined a finite input"
-    return fp.NVFP4Weight(codes=r[0], block_scale=r[1], global_scale=r[2], shape=tuple(w.shape), dtype=w.dtype)
+    return nvfp4_fmt.NVFP4Weight(codes=r[0], block_scale=r[1], global_scale=r[2], shape=tuple(w.shape), dtype=w.dtype)
 
 
 def _check_all(w, what, fp8=True, threads=(1, 2), fp8_scale=None, nv_global=None):
     """Every format (FP8 granularities the shape allows) on every ISA path and thread count."""
     cases = []
     if fp8:
-        for g in fp.FP8_GRANULARITIES:
+        for g in fp8_fmt.GRANULARITIES:
             if g == "block128" and (w.dim() < 2 or w.shape[-2] % 128 or w.shape[-1] % 128):
                 continue
-            cases.append((f"fp8-{g}", lambda g=g: fp.quantize_fp8(w, g), lambda i, t, g=g: _fp8(w, i, t, g)))
+            cases.append((f"fp8-{g}", lambda g=g: fp8_fmt.quantize_fp8(w, g), lambda i, t, g=g: _fp8(w, i, t, g)))
     if w.shape[-1] % 32 == 0:
-        for f in fp.MX_FORMATS:
-            cases.append((f, lambda f=f: fp.quantize_mx(w, f), lambda i, t, f=f: _mx(w, i, t, f)))
+        for f in mx_fmt.NAMES:
+            cases.append((f, lambda f=f: mx_fmt.quantize_mx(w, f), lambda i, t, f=f: _mx(w, i, t, f)))
     if w.shape[-1] % 16 == 0:
-        cases.append(("nvfp4", lambda: fp.quantize_nvfp4(w), lambda i, t: _nvfp4(w, i, t)))
+        cases.append(("nvfp4", lambda: nvfp4_fmt.quantize_nvfp4(w), lambda i, t: _nvfp4(w, i, t)))
     if fp8_scale is not None:
-        cases.append(("fp8-tensor-given", lambda: fp.quantize_fp8(w, "tensor", scale=fp8_scale),
+        cases.append(("fp8-tensor-given", lambda: fp8_fmt.quantize_fp8(w, "tensor", scale=fp8_scale),
                       lambda i, t: _fp8(w, i, t, "tensor", fp8_scale)))
     if nv_global is not None:
-        cases.append(("nvfp4-given", lambda: fp.quantize_nvfp4(w, global_scale=nv_global),
+        cases.append(("nvfp4-given", lambda: nvfp4_fmt.quantize_nvfp4(w, global_scale=nv_global),
                       lambda i, t: _nvfp4(w, i, t, nv_global)))
     for name, ref, native in cases:
         with _reference_only():
@@ -155,7 +159,7 @@ def test_ties_on_the_e4m3_grid():
 
 
 def test_ties_on_the_e2m1_grid_and_scale_ties():
-    grid = torch.tensor(fp.E2M1_VALUES)
+    grid = torch.tensor(E2M1_VALUES)
     mids = torch.tensor((0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0))
     vals = torch.cat([grid, mids, -grid, -mids, torch.tensor([-0.0, 0.1, -0.1, 5.5, -5.99])])  # 35
     w = torch.zeros(64, 64)
@@ -199,28 +203,28 @@ def test_non_finite_is_declined_and_reference_raises(bad):
     for dtype in _DTYPES:
         w = torch.randn(128, 128).to(dtype)
         w[100, 77] = bad
-        assert _native_fp.quantize_fp8(w, "tensor") is None
-        assert _native_fp.quantize_fp8(w, "channel") is None
-        assert _native_fp.quantize_fp8(w, "block128") is None
-        assert _native_fp.quantize_fp8(w, "tensor", torch.tensor(1.0)) is None
-        assert _native_fp.quantize_mx(w, "mxfp4") is None
-        assert _native_fp.quantize_nvfp4(w) is None
-        assert _native_fp.quantize_nvfp4(w, torch.tensor(1.0)) is None
+        assert _native_fp.quantize_fp8(w, "tensor", block=128) is None
+        assert _native_fp.quantize_fp8(w, "channel", block=128) is None
+        assert _native_fp.quantize_fp8(w, "block128", block=128) is None
+        assert _native_fp.quantize_fp8(w, "tensor", torch.tensor(1.0), block=128) is None
+        assert _native_fp.quantize_mx(w, 4, block=32) is None
+        assert _native_fp.quantize_nvfp4(w, block=16) is None
+        assert _native_fp.quantize_nvfp4(w, torch.tensor(1.0), block=16) is None
         with pytest.raises(ValueError, match=r"W: weight has 1 NaN/Inf value\(s\), first at index \[100, 77\]"):
-            fp.quantize_nvfp4(w, name="W")
+            nvfp4_fmt.quantize_nvfp4(w, name="W")
 
 
 def test_unsupported_inputs_fall_back():
     _require_kernel()
-    assert _native_fp.quantize_fp8(torch.randn(4, 30), "block128") is None  # K not a multiple of 128
-    assert _native_fp.quantize_mx(torch.randn(4, 48), "mxfp4") is None
-    assert _native_fp.quantize_nvfp4(torch.randn(4, 16).to(torch.float64)) is None
-    assert _native_fp.quantize_nvfp4(torch.randn(4, 32), torch.tensor(-1.0)) is None  # reference raises
+    assert _native_fp.quantize_fp8(torch.randn(4, 30), "block128", block=128) is None  # K not a multiple of 128
+    assert _native_fp.quantize_mx(torch.randn(4, 48), 4, block=32) is None
+    assert _native_fp.quantize_nvfp4(torch.randn(4, 16).to(torch.float64), block=16) is None
+    assert _native_fp.quantize_nvfp4(torch.randn(4, 32), torch.tensor(-1.0), block=16) is None  # reference raises
     with pytest.raises(ValueError, match="scales must be finite and positive"):
-        fp.quantize_nvfp4(torch.randn(4, 32), global_scale=torch.tensor(-1.0))
+        nvfp4_fmt.quantize_nvfp4(torch.randn(4, 32), global_scale=torch.tensor(-1.0))
     # a non-contiguous view gives the same bytes as its contiguous copy
     w = torch.randn(64, 128).t()
-    _assert_same(fp.quantize_nvfp4(w), fp.quantize_nvfp4(w.contiguous()), "transposed view")
+    _assert_same(nvfp4_fmt.quantize_nvfp4(w), nvfp4_fmt.quantize_nvfp4(w.contiguous()), "transposed view")
 
 
 def test_rows_split_across_threads():
@@ -229,10 +233,10 @@ def test_rows_split_across_threads():
     w = (torch.randn(3, 384, 256, generator=gen) * torch.logspace(-20, 3, 256)).to(torch.bfloat16)
     isa = _isas()[-1]
     for name, ref, native in (
-        ("fp8-tensor", lambda: fp.quantize_fp8(w, "tensor"), lambda t: _fp8(w, isa, t, "tensor")),
-        ("fp8-block128", lambda: fp.quantize_fp8(w, "block128"), lambda t: _fp8(w, isa, t, "block128")),
-        ("mxfp4", lambda: fp.quantize_mx(w, "mxfp4"), lambda t: _mx(w, isa, t, "mxfp4")),
-        ("nvfp4", lambda: fp.quantize_nvfp4(w), lambda t: _nvfp4(w, isa, t)),
+        ("fp8-tensor", lambda: fp8_fmt.quantize_fp8(w, "tensor"), lambda t: _fp8(w, isa, t, "tensor")),
+        ("fp8-block128", lambda: fp8_fmt.quantize_fp8(w, "block128"), lambda t: _fp8(w, isa, t, "block128")),
+        ("mxfp4", lambda: mx_fmt.quantize_mx(w, "mxfp4"), lambda t: _mx(w, isa, t, "mxfp4")),
+        ("nvfp4", lambda: nvfp4_fmt.quantize_nvfp4(w), lambda t: _nvfp4(w, isa, t)),
     ):
         with _reference_only():
             want = ref()

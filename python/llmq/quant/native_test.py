@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llmq.quant import QuantConfig, _native, native_kernel_available, quantize_weight
-from llmq.quant.quantize import quantize_weight_torch
+from llmq.quant.formats.int_affine import quantize_weight_torch
 
 _ORDER = ("scalar", "avx2", "avx512")
 

@@ -32,7 +32,7 @@ INT8_PER_CHANNEL = QuantConfig(bits=8, group_size=None, symmetric=True)
 INT8_G32 = QuantConfig(bits=8, group_size=32, symmetric=True)
 # The floating-point formats (docs/formats.md): FP8 E4M3 with one scale per output row, the OCP MX
 # formats (E8M0 scale per 32 elements) and NVFP4 (FP8 scale per 16 elements, one FP32 tensor scale).
-FP8_PER_CHANNEL = QuantConfig(format="fp8", bits=8, group_size=None)
+FP8_PER_CHANNEL = QuantConfig(format="fp8", granularity="channel")
 MXFP8 = QuantConfig(format="mxfp8", bits=8, group_size=32)
 MXFP4 = QuantConfig(format="mxfp4", bits=4, group_size=32)
 NVFP4 = QuantConfig(format="nvfp4", bits=4, group_size=16)

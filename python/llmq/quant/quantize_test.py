@@ -18,7 +18,7 @@ from torchao.quantization.quant_primitives import (
 )
 
 from llmq.quant import GroupQuantizedWeight, QuantConfig, dequantize, quantize_weight
-from llmq.quant import quantize as quantize_module
+from llmq.quant.formats import int_affine
 from llmq.quant.formats import unpack_bits
 
 
@@ -166,7 +166,7 @@ def test_chunked_quantization_equals_one_shot(monkeypatch):
     w = make_weight((2, 24, 64), torch.float32, seed=5)
     cfg = QuantConfig(bits=3, group_size=16, symmetric=False)
     whole = quantize_weight(w, cfg)
-    monkeypatch.setattr(quantize_module, "_CHUNK_ELEMENTS", 5 * 64)  # 5 rows per chunk, ragged tail
+    monkeypatch.setattr(int_affine, "_ROWS_ELEMENTS", 5 * 64)  # 5 rows at a time, ragged tail
     chunked = quantize_weight(w, cfg)
     assert torch.equal(whole.qdata, chunked.qdata)
     assert torch.equal(bits_of(whole.scale), bits_of(chunked.scale))

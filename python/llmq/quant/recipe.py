@@ -20,13 +20,21 @@ import torch
 
 from llmq.quant.formats import format_names, get_format
 
-# The canonical group-wise integer format; every other name is looked up in the format
-# registry (llmq.quant.formats), which also validates each format's own fields.
+# The canonical group-wise integer format (the default); every format name is looked up in the
+# format registry (llmq.quant.formats), which also owns each format's fields, defaults and methods.
 INT_FORMAT = "int"
-# "minmax" is round-to-nearest on each group's min/max; "search" picks the best of a fixed set of
-# shrunk scales/zeros per group (llmq.quant.search); "hqq" optimises each group's float zero
-# point by half-quadratic splitting (llmq.quant.hqq; asymmetric only).
-METHODS = ("minmax", "search", "hqq")
+
+
+class _Default:
+    """The value of a QuantConfig field the caller left out: the format's default fills it."""
+
+    def __repr__(self) -> str:
+        return "DEFAULT"
+
+
+DEFAULT = _Default()
+# The fields a format may use (Format.config_fields), in the order to_dict writes them.
+FORMAT_FIELDS = ("bits", "group_size", "symmetric", "scale_dtype", "granularity")
 
 _DTYPE_NAMES = {
     "float32": torch.float32,
@@ -79,27 +87,38 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
+def _all_methods() -> Tuple[str, ...]:
+    """Every method some quantizable format takes, in registration order."""
+    return tuple(dict.fromkeys(m for n in format_names(quantizable=True) for m in get_format(n).methods))
+
+
 @dataclasses.dataclass(frozen=True)
 class QuantConfig:
-    """How to quantize one weight.
+    """How to quantize one weight. Only `format` is needed: every field the format uses and the
+    config leaves out takes the format's default (`Format.default_config`), and a field the format
+    does not use is refused by name (it stays None).
 
+    bits: element width ("int": 2..8, default 4; fixed by the FP formats).
     group_size: elements of a row (along K, the input dimension) that share one scale/bias;
     ``None`` or ``-1`` means one group per row (per-channel). ``-1`` is normalised to ``None``.
-    For fp8 it selects the granularity: 0 per tensor, None per channel, 128 for 128x128 blocks.
-    symmetric: symmetric (zero maps to zero, signed range) or asymmetric (integer zero point)
-    min-max quantization; see docs/formats.md for the exact rules.
-    scale_dtype: the dtype the scales (and biases) are written in, for format "int": float32, or
+    "int" default 32; fixed by MX (32) and NVFP4 (16).
+    symmetric: "int" only: symmetric (zero maps to zero, signed range) or asymmetric (integer zero
+    point) min-max quantization; see docs/formats.md for the exact rules. Default True.
+    method: how scales are chosen, one of the format's `methods` (default "minmax").
+    scale_dtype: "int" only: the dtype the scales (and biases) are written in: float32 (default), or
     float16 / bfloat16, where the method chooses scales and biases exactly representable in it
     (llmq.quant.scale_rounding; the canonical form still holds them as float32). A run sets it to
     its backend's (llmq.backend.Backend.storage).
+    granularity: "fp8" only: "tensor", "channel" (default) or "block128" (128x128 tiles).
     """
 
     format: str = INT_FORMAT
-    bits: int = 4
-    group_size: Optional[int] = 32
-    symmetric: bool = True
+    bits: Any = DEFAULT
+    group_size: Any = DEFAULT
+    symmetric: Any = DEFAULT
     method: str = "minmax"
-    scale_dtype: torch.dtype = torch.float32
+    scale_dtype: Any = DEFAULT
+    granularity: Any = DEFAULT
 
     def __post_init__(self):
         if not isinstance(self.format, str) or self.format not in format_names():
@@ -107,22 +126,23 @@ class QuantConfig:
         fmt = get_format(self.format)
         if not fmt.can_quantize:
             raise ValueError(f"QuantConfig.format={self.format!r} is import-only; expected one of {format_names(quantizable=True)}")
-        if not isinstance(self.bits, int) or isinstance(self.bits, bool):
+        given = {f: getattr(self, f) for f in FORMAT_FIELDS if getattr(self, f) is not DEFAULT}
+        values = fmt.complete_config(self.format, given)
+        for f in FORMAT_FIELDS:
+            object.__setattr__(self, f, values.get(f))
+        used = fmt.config_fields
+        if "bits" in used and (not isinstance(self.bits, int) or isinstance(self.bits, bool)):
             raise ValueError(f"QuantConfig.bits must be an int, got {self.bits!r}")
         if self.group_size == -1:
             object.__setattr__(self, "group_size", None)
-        if not isinstance(self.symmetric, bool):
+        if "symmetric" in used and not isinstance(self.symmetric, bool):
             raise ValueError(f"QuantConfig.symmetric must be a bool, got {self.symmetric!r}")
-        if self.method not in METHODS:
-            raise ValueError(f"QuantConfig.method={self.method!r} unknown; expected one of {METHODS}")
         if self.method not in fmt.methods:
+            if self.method not in _all_methods():
+                raise ValueError(f"QuantConfig.method={self.method!r} unknown; expected one of {_all_methods()}")
             raise ValueError(f"QuantConfig.method={self.method!r} does not apply to format {self.format!r}; it takes {' or '.join(map(repr, fmt.methods))}")
-        if self.format != INT_FORMAT and not self.symmetric:
-            raise ValueError(f"QuantConfig.symmetric=False does not apply to format {self.format!r}: its scales have "
-                             f"no zero point (only format 'int' is asymmetric)")
-        if self.method == "hqq" and self.symmetric:
-            raise ValueError("QuantConfig.method='hqq' optimises the zero point: it needs symmetric=False (asymmetric)")
-        object.__setattr__(self, "scale_dtype", _dtype_from_name(self.scale_dtype))
+        if "scale_dtype" in used:
+            object.__setattr__(self, "scale_dtype", _dtype_from_name(self.scale_dtype))
         fmt.validate_config(self)
 
     def group_size_for(self, k: int) -> int:
@@ -130,8 +150,13 @@ class QuantConfig:
         return k if self.group_size is None else self.group_size
 
     def to_dict(self) -> Dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["scale_dtype"] = _dtype_name(self.scale_dtype)
+        """format, the fields its format uses and method, in field order (what from_dict reads back)."""
+        used = get_format(self.format).config_fields
+        d: Dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            if f.name in ("format", "method") or f.name in used:
+                value = getattr(self, f.name)
+                d[f.name] = _dtype_name(value) if isinstance(value, torch.dtype) else value
         return d
 
     @classmethod
@@ -142,21 +167,17 @@ class QuantConfig:
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"unknown QuantConfig field(s) {sorted(unknown)}; expected some of {sorted(known)}")
-        return cls(**dict(d))
+        name = d.get("format", INT_FORMAT)
+        if isinstance(name, str) and name in format_names():
+            d = get_format(name).read_old_config(name, dict(d))
+        return cls(**d)
 
     def describe(self) -> str:
-        """Short human-readable form: 'int4 g32 sym', 'int8 grow asym' (one group a row); an FP
-        format by its name, which carries the element size: 'nvfp4 g16', 'fp8 per channel'."""
+        """Short human-readable form, from the format (`Format.describe`): 'int4 g32 sym', 'int8 grow
+        asym' (one group a row), 'nvfp4 g16', 'fp8 per channel'; a method other than minmax follows."""
         method = "" if self.method == "minmax" else f" {self.method}"
-        if self.format != INT_FORMAT:
-            if self.format == "fp8":  # group_size 0 / None or -1 / 128, as the fp8 format reads it
-                granularity = {0: "per tensor", None: "per channel", -1: "per channel", 128: "128x128"}
-                return f"fp8 {granularity.get(self.group_size, f'g{self.group_size}')}" + method
-            return f"{self.format} g{self.group_size}" + method
-        group = "row" if self.group_size is None else str(self.group_size)
-        kind = "sym" if self.symmetric else "asym"
-        scales = "" if self.scale_dtype == torch.float32 else f" {_dtype_name(self.scale_dtype)} scales"
-        return f"{self.format}{self.bits} g{group} {kind}" + method + scales
+        scales = "" if self.scale_dtype in (None, torch.float32) else f" {_dtype_name(self.scale_dtype)} scales"
+        return get_format(self.format).describe(self) + method + scales
 
 
 def _one_line(e: Exception) -> str:

@@ -57,9 +57,9 @@ def test_config_validation(kwargs, match):
     (QuantConfig(format="nvfp4", bits=4, group_size=16), "nvfp4 g16"),
     (QuantConfig(format="mxfp4", bits=4, group_size=32), "mxfp4 g32"),
     (QuantConfig(format="mxfp8", bits=8, group_size=32), "mxfp8 g32"),
-    (QuantConfig(format="fp8", bits=8, group_size=None), "fp8 per channel"),
-    (QuantConfig(format="fp8", bits=8, group_size=0), "fp8 per tensor"),
-    (QuantConfig(format="fp8", bits=8, group_size=128), "fp8 128x128"),
+    (QuantConfig(format="fp8", granularity="channel"), "fp8 per channel"),
+    (QuantConfig(format="fp8", granularity="tensor"), "fp8 per tensor"),
+    (QuantConfig(format="fp8", granularity="block128"), "fp8 128x128"),
 ])
 def test_describe_names_each_format_once(config, text):
     """An FP format's name already carries its element size ('fp8', not 'fp88 grow sym')."""
@@ -254,12 +254,15 @@ def test_register_preset():
         PRESETS.pop("test-only-int8", None)
 
 
-def test_fp8_group_size_selects_granularity():
-    assert QuantConfig(format="fp8", bits=8, group_size=0).group_size == 0
-    assert QuantConfig(format="fp8", bits=8, group_size=-1).group_size is None
-    assert QuantConfig(format="fp8", bits=8, group_size=128).group_size == 128
-    with pytest.raises(ValueError, match="fp8"):
-        QuantConfig(format="fp8", bits=8, group_size=32)
+def test_fp8_granularity_and_old_group_size_files():
+    assert QuantConfig(format="fp8", granularity="tensor").group_size is None  # fp8 has no group size
+    for group_size, granularity in ((0, "tensor"), (None, "channel"), (-1, "channel"), (128, "block128")):
+        old = QuantConfig.from_dict({"format": "fp8", "bits": 8, "group_size": group_size})
+        assert old == QuantConfig(format="fp8", granularity=granularity)
+    with pytest.raises(ValueError, match="FP8 group_size=32 unsupported"):
+        QuantConfig.from_dict({"format": "fp8", "bits": 8, "group_size": 32})
+    with pytest.raises(ValueError, match=r"\['group_size'\] do not apply to format 'fp8'"):
+        QuantConfig(format="fp8", group_size=128)
     with pytest.raises(ValueError, match="positive int"):
         QuantConfig(group_size=0)
 

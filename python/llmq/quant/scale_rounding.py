@@ -83,7 +83,8 @@ def best_rounded(g: torch.Tensor, candidates: Iterable[Tuple[torch.Tensor, torch
 def quantize_groups(g: torch.Tensor, config, importance: Optional[torch.Tensor], name: str):
     """(codes uint8 [R, G, gs], scale, bias) of finite float32 groups g for an integer `config` whose
     scale_dtype is 16-bit, by its method (module docstring)."""
-    from llmq.quant import hqq, search
+    import llmq.quant.hqq as hqq
+    import llmq.quant.search as search
     from llmq.quant.quantize import _qparams_asymmetric, _qparams_symmetric  # quantize.py imports this module
 
     bits, dtype = config.bits, config.scale_dtype

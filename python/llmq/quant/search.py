@@ -29,6 +29,9 @@ from typing import Optional, Tuple
 
 import torch
 
+import llmq.quant._native as _native
+from llmq.quant.codecs import round_scale_mantissa
+
 # Shrink factors of the min/max scale, largest first (dyadic, so exact in float32).
 SEARCH_FACTORS = tuple(1.0 - i / 64.0 for i in range(32))
 
@@ -65,7 +68,6 @@ def group_error(g: torch.Tensor, scale: torch.Tensor, zero: Optional[torch.Tenso
 def candidates(xmin: torch.Tensor, xmax: torch.Tensor, bits: int, symmetric: bool):
     """Yield the candidate (scale, zero) pairs of every group, in search order (see the
     module docstring); zero is None for symmetric."""
-    from llmq.quant.quantize import round_scale_mantissa  # quantize.py imports this module
 
     min_neg = torch.clamp(xmin, max=0.0)
     max_pos = torch.clamp(xmax, min=0.0)
@@ -90,7 +92,6 @@ def search_qparams(g: torch.Tensor, xmin: torch.Tensor, xmax: torch.Tensor, bits
     """(scale, zero) per group of finite float32 g[R, G, gs]; zero is None for symmetric.
     importance: optional positive float32 [G, gs] (the per-input-channel weights of one row).
     Through the compiled kernel (cpp/quant/search_quant.h, same bits) when it is loaded."""
-    from llmq.quant import _native
 
     if g.device.type == "cpu" and _native.search_available():
         rows, groups, gs = g.shape

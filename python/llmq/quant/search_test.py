@@ -193,15 +193,16 @@ def _require_search_quantize():
 
 
 def torch_reference(w, cfg, monkeypatch, importance=None):
-    """(qdata, scale, bias) of the torch reference alone: quantize.py's torch path with the
+    """(qdata, scale, bias) of the torch reference alone: the int family's torch path with the
     kernel's search step switched off (search.search_qparams_torch chooses)."""
-    from llmq.quant import _native, quantize
+    from llmq.quant import _native
+    from llmq.quant.formats import int_affine
 
     with monkeypatch.context() as m:
         m.setattr(_native, "search_available", lambda: False)
         gs = cfg.group_size_for(w.shape[-1])
         imp = None if importance is None else importance.float().contiguous()
-        return quantize._quantize_torch(w, cfg, gs, "w", imp)
+        return int_affine.quantize_rows_torch(w, cfg.bits, gs, cfg.symmetric, cfg.method, "w", imp)
 
 
 NATIVE_CASES = [  # bits, symmetric, group size, K: odd and large groups, every width

@@ -8,7 +8,8 @@ base.py) and a registry by name. docs/formats.md describes the interface and how
     gguf_blocks.py GGUF block types   import only: rearranged into "int" exactly
 
 The canonical integer helpers stay importable from here (``from llmq.quant.formats import
-GroupQuantizedWeight, pack_bits, ...``).
+GroupQuantizedWeight, pack_bits, ...``). The codecs the families share (bit packing, E2M1/E8M0,
+scale rounding, input checks) are llmq.quant.codecs.
 """
 
 from llmq.quant.formats.base import (
@@ -22,15 +23,12 @@ from llmq.quant.formats.base import (
     register_format,
     unregister_format,
 )
+from llmq.quant.codecs import SUPPORTED_BITS, pack_bits, packed_row_bytes, unpack_bits
 from llmq.quant.formats.int_affine import (
     DEQUANT_BLOCK_ELEMENTS,
-    SUPPORTED_BITS,
     GroupQuantizedWeight,
     IntAffineFormat,
     dequantize_canonical,
-    pack_bits,
-    packed_row_bytes,
-    unpack_bits,
     validate_layout,
 )
 from llmq.quant.formats.fp8 import FP8Format

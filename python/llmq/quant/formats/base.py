@@ -24,6 +24,9 @@ import torch
 
 Layout = Dict[str, Tuple[torch.dtype, Tuple[int, ...]]]
 
+# What config dicts of earlier versions held for every format, used or not (see read_old_config).
+_WRITTEN_FOR_ALL = {"symmetric": (True,), "scale_dtype": ("float32", torch.float32)}
+
 
 @dataclasses.dataclass(frozen=True)
 class RowQuantizer:
@@ -71,12 +74,48 @@ class Format(abc.ABC):
     # Optional: how the family is written into Hugging Face folders (an HFExport, hf_export.py);
     # None where it is not exportable.
     hf_export: Optional[Any] = None
+    # The QuantConfig fields (besides format and method) this family reads; a config that sets any
+    # other field is refused by name. default_config gives a value for each.
+    config_fields: Tuple[str, ...] = ()
 
     # -- configuration ----------------------------------------------------------------------------
+    def default_config(self, name: str) -> Dict[str, Any]:
+        """field -> value for every field in `config_fields` a recipe may leave out (for format `name`),
+        so that ``{"format": name}`` alone is a complete config."""
+        return {}
+
+    def read_old_config(self, name: str, fields: Dict[str, Any]) -> Dict[str, Any]:
+        """A config dict as recipe files and bundle manifests of earlier llmq versions wrote it ->
+        today's fields (QuantConfig.from_dict). Those wrote every field, so the values they held
+        for a field this family does not use (symmetric true, scale_dtype float32) are dropped."""
+        return {f: v for f, v in fields.items()
+                if f in self.config_fields or f not in _WRITTEN_FOR_ALL or v not in _WRITTEN_FOR_ALL[f]}
+
+    def example_configs(self, name: str) -> Tuple[Dict[str, Any], ...]:
+        """Configs (fields beside the format) that between them produce every stored layout of format
+        `name`: what tests write to a bundle and an HF folder for each registered format. Default: the
+        default config alone."""
+        return ({},)
+
+    def complete_config(self, name: str, given: Dict[str, Any]) -> Dict[str, Any]:
+        """The values of `config_fields` for a config of format `name` that set `given` (field ->
+        value, unset fields left out): the defaults, overridden by `given`. ValueError naming a
+        given field this family does not use."""
+        unused = [f for f in given if f not in self.config_fields]
+        if unused:
+            raise ValueError(f"QuantConfig field(s) {unused} do not apply to format {name!r}; it takes "
+                             f"{', '.join(self.config_fields + ('method',))}")
+        return {**self.default_config(name), **given}
+
     @abc.abstractmethod
     def validate_config(self, config: Any) -> None:
         """Raise ValueError (one line, naming the field) if `config` is not valid for this format.
         Called by QuantConfig after the format-independent fields are checked."""
+
+    def describe(self, config: Any) -> str:
+        """Short human-readable form of a config of this family (QuantConfig.describe adds the
+        method); default: the format name and its group size, e.g. 'nvfp4 g16'."""
+        return f"{config.format} g{config.group_size}"
 
     # -- numbers ----------------------------------------------------------------------------------
     def shape_problem(self, config: Any, shape: Tuple[int, ...]) -> Optional[str]:
@@ -125,6 +164,11 @@ class Format(abc.ABC):
     def to_torchao(self, value: Any):
         """The torchao tensor that dequantizes to the same values (NotImplementedError if none)."""
         raise NotImplementedError(f"format {self.name_of(value)!r} has no torchao conversion")
+
+    def fuse_along_output(self, values: Sequence[Any]) -> Any:
+        """One weight [..., sum N_i, K] from weights [..., N_i, K] of this family (sibling projections
+        q|k|v, gate|up), exactly; ValueError where the family cannot (the default)."""
+        raise ValueError(f"format family {self.family!r} cannot fuse weights along the output dimension")
 
     def native_kernel_available(self) -> bool:
         """Whether a compiled quantize kernel serves this family on this machine."""

@@ -212,7 +212,7 @@ def _decode_blocks(type_name: str, blocks: np.ndarray) -> Tuple[np.ndarray, np.n
 
 def _native_decoder():
     """llmq.quant._native when the compiled decoder (cpp/quant/gguf_blocks.h) is loaded, else None."""
-    from llmq.quant import _native
+    import llmq.quant._native as _native
 
     return _native if _native.gguf_decode_available() else None
 
@@ -253,7 +253,7 @@ def decode_into(type_name: str, raw: torch.Tensor, qdata: torch.Tensor, scale: t
     if native and kernel is None:
         raise RuntimeError("the compiled GGUF block decoder is not available (build //cpp/quant:_quant_kernel.so)")
     if kernel is not None:
-        kernel.gguf_decode(type_name, raw, qdata, scale, bias)
+        kernel.gguf_decode(type_name, BLOCK_TYPES[type_name], raw, qdata, scale, bias)
         return
     q, s, b = decode_reference_flat(type_name, raw.numpy().reshape(-1, block_bytes))
     qdata.numpy()[:] = q

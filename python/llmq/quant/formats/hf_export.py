@@ -136,6 +136,12 @@ class HFExport:
         return ()
 
     # ---- numbers -----------------------------------------------------------------------------
+    def row_block_rows(self, spec: Any) -> Optional[int]:
+        """The row multiple m such that the tensors of any block of m*j whole rows are, row for row,
+        those of the whole weight (with the whole weight's state): the writer then quantizes and
+        writes a weight too large to hold block by block. None (the default): only whole."""
+        return None
+
     def needs_tensor_amax(self, spec: Any) -> bool:
         """Whether a per-tensor scale derives from the weight amax (shared by fused siblings)."""
         return False
