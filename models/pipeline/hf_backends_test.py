@@ -173,7 +173,7 @@ def test_cli_writes_then_refuses_an_existing_out_and_lists_backends(tmp_path):
 def test_row_blocks_write_the_files_of_whole_tensors(arch, backend, recipe, tmp_path, monkeypatch):
     """The HF exports take large tensors as row blocks (run.ROW_BLOCK_BYTES); with 1 KiB blocks
     every file of the folder is byte for byte that of whole tensors."""
-    from llmq.quant.chunked import RowBlocks
+    from llmq.quant.row_blocks import RowBlocks
     from models.pipeline import run as run_module
     from models.pipeline import sources
 

@@ -166,7 +166,7 @@ def test_row_blocks_write_the_bytes_of_whole_tensors(arch, recipe, tmp_path, mon
     are byte for byte those of whole tensors, and verification passes."""
     from models.pipeline import run as run_module
     from models.pipeline import sources
-    from llmq.quant.chunked import RowBlocks
+    from llmq.quant.row_blocks import RowBlocks
 
     checkpoint = write_default_checkpoint(arch, str(tmp_path / "ckpt"), seed=5)
     monkeypatch.setattr(run_module, "ROW_BLOCK_BYTES", 1 << 40)  # never: every tensor whole

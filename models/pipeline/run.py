@@ -32,7 +32,7 @@ from llmq.backend import BackendError, WriteJob, get_backend, storage_of, with_s
 from llmq.checkpoint import checkpoint_shapes, checkpoint_stored_types
 from llmq.checkpoint.fileio import write_error
 from llmq.quant import GroupQuantizedWeight, QuantConfig, QuantRecipe, dequantize, is_quantized, load_recipe, quantize_stream
-from llmq.quant.chunked import QuantizedRowBlocks, RowBlocks
+from llmq.quant.row_blocks import QuantizedRowBlocks, RowBlocks
 from llmq.quant.formats import get_format, nbytes_of
 from llmq.quant.report import ErrorReport
 from models.pipeline import gguf_input, sources, verify as verification

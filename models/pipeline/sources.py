@@ -59,7 +59,7 @@ class Source:
 def model_tensors(arch: Architecture, folder: str, config, *,
                   chunk_bytes: Optional[int] = None) -> Iterator[Tuple[str, Any]]:
     """An HF folder as a stream of model-layout tensors (renamed, experts stacked per layer);
-    with chunk_bytes, tensors over that size as row blocks (llmq.quant.chunked.RowBlocks)."""
+    with chunk_bytes, tensors over that size as row blocks (llmq.quant.row_blocks.RowBlocks)."""
     stream = iter_checkpoint(folder, key_map=arch.key_map, chunk_bytes=chunk_bytes)
     return merge_experts_stream(stream, arch, getattr(config, "num_experts", 0))
 

@@ -12,7 +12,7 @@ from typing import Any, Dict, Iterable, Iterator, Tuple
 
 import torch
 
-from llmq.quant.chunked import RowBlocks
+from llmq.quant.row_blocks import RowBlocks
 from models.pipeline.arch import Architecture
 
 _LAYER = re.compile(r"^(.*?layers\.\d+\.)")

@@ -84,7 +84,7 @@ class Backend(Protocol):
     stream and quantizes with job.recipe itself.
 
     Optional attribute ``streams_row_blocks`` (default False): True where write() also takes
-    tensors carried as row blocks (llmq.quant.chunked: RowBlocks, QuantizedRowBlocks), which
+    tensors carried as row blocks (llmq.quant.row_blocks: RowBlocks, QuantizedRowBlocks), which
     the pipeline then sends for large tensors so its memory stays one block.
     Optional methods, looked up with getattr: ``written_bits(path) -> (bits, weights)`` (a
     takes_float backend: what it wrote for the weights it quantized, counted by its `storage`, for

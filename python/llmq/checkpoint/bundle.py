@@ -52,7 +52,7 @@ from llmq.checkpoint.safetensors_io import DTYPE_NAMES
 from llmq.checkpoint.shard_file import ShardLayout, ShardRotation, block_writes, placeholder
 from llmq.checkpoint.side_files import side_files
 from llmq.checkpoint.workfolder import JOURNAL, PARTIAL_SUFFIX, REPLACED_SUFFIX, WorkFolder
-from llmq.quant.chunked import QuantizedRowBlocks, RowBlocks, is_row_blocks
+from llmq.quant.row_blocks import QuantizedRowBlocks, RowBlocks, is_row_blocks
 from llmq.quant.formats import Format, format_of, format_names, get_format
 
 Value = Any  # a torch.Tensor or a quantized weight of any registered format (llmq.quant.formats)
@@ -142,7 +142,7 @@ def _describe(fqn: str, value: Value) -> Tuple[Dict[str, Any], List[Tuple[str, t
     A quantized weight is described by its format (llmq.quant.formats): the tensors it stores
     become entries ``<fqn>.<role>``; a family with a ``bundle_kind`` (the integer one) keeps its
     flat version-2 record, every other one is ``{"kind": "quantized", "format", "params", ...}``.
-    An item that arrives in row blocks (llmq.quant.chunked) is described from its shape and
+    An item that arrives in row blocks (llmq.quant.row_blocks) is described from its shape and
     dtype alone: its parts are placeholders whose bytes are written block by block."""
     fmt = format_of(value)
     if fmt is not None or isinstance(value, QuantizedRowBlocks):

@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from llmq.checkpoint import NonFiniteWeightError, iter_checkpoint, load_bundle, save_bundle
 from llmq.checkpoint.testing_util import FORMAT_CONFIGS as CONFIGS
 from llmq.quant import QuantConfig, QuantRecipe, QuantRule, get_format, quantize_stream
-from llmq.quant.chunked import QuantizedRowBlocks, RowBlocks, TensorRowBlocks, quantize_row_blocks
+from llmq.quant.row_blocks import QuantizedRowBlocks, RowBlocks, TensorRowBlocks, quantize_row_blocks
 
 CHUNK = 4096  # bytes: a 384 x 256 bf16 weight (192 KiB) becomes 48 blocks of 8 rows
 

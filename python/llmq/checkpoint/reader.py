@@ -26,7 +26,7 @@ from llmq.checkpoint.errors import (
 )
 from llmq.checkpoint.tensor_sources import Source, open_source
 from llmq.quant import _native
-from llmq.quant.chunked import RowBlocks
+from llmq.quant.row_blocks import RowBlocks
 from llmq.quant.formats import GroupQuantizedWeight
 
 Value = Union[torch.Tensor, GroupQuantizedWeight, RowBlocks]
@@ -345,7 +345,7 @@ def iter_checkpoint(path: os.PathLike, *, key_map: KeyMap = None, convert: Conve
         is read in turn, when the caller asks. None (default): 5% of the checkpoint's
         bytes, at least 64 MiB, so read-ahead memory stays a small fraction of the input.
     chunk_bytes: None (default) yields every tensor whole. An int: a safetensors tensor of more
-        than this many bytes is yielded as a RowBlocks (llmq.quant.chunked) instead, which
+        than this many bytes is yielded as a RowBlocks (llmq.quant.row_blocks) instead, which
         reads it when asked, a block of whole rows (at most chunk_bytes, at least one row) at a
         time, each checked and cast as above; quantize_stream, save_bundle and the Hugging
         Face export write it block by block with the same bytes. It is never read ahead.

@@ -14,7 +14,7 @@ therefore needs the whole shard in memory first.
 may not contain holes, so a tensor whose offset would not be a multiple of its element size
 starts a new file) and room in the header gap.
 
-A tensor that arrives in blocks of rows (llmq.quant.chunked: `RowBlocks`, `QuantizedRowBlocks`)
+A tensor that arrives in blocks of rows (llmq.quant.row_blocks: `RowBlocks`, `QuantizedRowBlocks`)
 is placed from its shape and dtype alone (`placeholder`), and its bytes are written block by
 block at the offsets `block_writes` computes, so only one block is in memory.
 """

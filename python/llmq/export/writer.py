@@ -44,7 +44,7 @@ from llmq.export.spec import (
 from llmq.checkpoint.shard_file import placeholder
 from llmq.export.tensors import export_quantized_weight_tensors
 from llmq.quant.codecs import FLOAT_DTYPES
-from llmq.quant.chunked import SECOND_PASS_KEPT_BLOCKS, RowBlocks
+from llmq.quant.row_blocks import SECOND_PASS_KEPT_BLOCKS, RowBlocks
 
 _SIBLINGS = {
     "q_proj": ("qkv", ("q_proj", "k_proj", "v_proj")),

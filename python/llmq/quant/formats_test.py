@@ -1,5 +1,7 @@
 """The format registry: lookups, registration rules, config validation through it, import-only families."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -101,10 +103,14 @@ def test_a_field_the_format_does_not_use_is_refused_by_name():
     for name in format_names(quantizable=True):
         unused = [f for f in ("bits", "group_size", "symmetric", "scale_dtype", "granularity")
                   if f not in get_format(name).config_fields]
+        some = {"bits": 8, "group_size": 32, "symmetric": True, "scale_dtype": "float32", "granularity": "tensor"}
         for field in unused:
             with pytest.raises(ValueError, match=rf"QuantConfig field\(s\) \['{field}'\] do not apply to format '{name}'"):
-                QuantConfig(format=name, **{field: None})
-    assert QuantConfig(format="nvfp4").symmetric is None  # unused fields stay unset
+                QuantConfig(format=name, **{field: some[field]})
+            assert getattr(QuantConfig(format=name), field) is None  # unused fields stay unset
+            assert QuantConfig(format=name, **{field: None}) == QuantConfig(format=name)  # None: unset
+        config = QuantConfig(format=name)
+        assert dataclasses.replace(config, method=config.method) == config
 
 
 def test_fp8_granularity_is_its_own_field_and_old_recipe_files_still_read():

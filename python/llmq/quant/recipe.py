@@ -126,7 +126,10 @@ class QuantConfig:
         fmt = get_format(self.format)
         if not fmt.can_quantize:
             raise ValueError(f"QuantConfig.format={self.format!r} is import-only; expected one of {format_names(quantizable=True)}")
-        given = {f: getattr(self, f) for f in FORMAT_FIELDS if getattr(self, f) is not DEFAULT}
+        # None in a field the format does not use is how such a field is stored (dataclasses.replace
+        # passes it back): unset, like DEFAULT.
+        given = {f: getattr(self, f) for f in FORMAT_FIELDS
+                 if getattr(self, f) is not DEFAULT and (getattr(self, f) is not None or f in fmt.config_fields)}
         values = fmt.complete_config(self.format, given)
         for f in FORMAT_FIELDS:
             object.__setattr__(self, f, values.get(f))

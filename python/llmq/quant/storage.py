@@ -65,7 +65,7 @@ class Storage:
 
     def bits(self, shape: Shape, value: Any = None) -> int:
         """Bits on disk of one weight of logical `shape` (see `layout`)."""
-        from llmq.quant.chunked import QuantizedRowBlocks
+        from llmq.quant.row_blocks import QuantizedRowBlocks
 
         if self.tensors is None and isinstance(value, QuantizedRowBlocks):
             return value.nbytes * 8  # carried as row blocks: the canonical tensors it will store

@@ -7,7 +7,7 @@ from typing import Callable, Iterable, Iterator, Optional, Tuple, Union
 
 import torch
 
-from llmq.quant.chunked import RowBlocks, quantize_row_blocks
+from llmq.quant.row_blocks import RowBlocks, quantize_row_blocks
 from llmq.quant.formats import GroupQuantizedWeight
 from llmq.quant.importance import Calibration
 from llmq.quant.quantize import quantize_weight, takes_importance
@@ -36,7 +36,7 @@ def quantize_stream(items: Iterable[StreamItem], recipe: QuantRecipe, *, weight_
     report: every quantized tensor's error figures are added to it as it passes (the
     original is dropped right after, as without a report).
 
-    A tensor that arrives as row blocks (llmq.quant.chunked.RowBlocks, from
+    A tensor that arrives as row blocks (llmq.quant.row_blocks.RowBlocks, from
     ``iter_checkpoint(..., chunk_bytes=)``) and is quantized leaves as a QuantizedRowBlocks,
     quantized block by block while the writer reads it (same bytes), when its format can
     (``Format.row_quantizer``) and neither importance weights nor a report need the whole

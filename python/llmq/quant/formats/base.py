@@ -31,7 +31,7 @@ _WRITTEN_FOR_ALL = {"symmetric": (True,), "scale_dtype": ("float32", torch.float
 @dataclasses.dataclass(frozen=True)
 class RowQuantizer:
     """How a format quantizes a 2-D weight block of rows by block (`Format.row_quantizer`;
-    llmq.quant.chunked drives it).
+    llmq.quant.row_blocks drives it).
 
     quantize(block, amax) -> the format's container for that block; amax is the whole
     weight's float32 max |w| when needs_amax, else None. Blocks hold a multiple of
@@ -242,7 +242,7 @@ def is_quantized(value: Any) -> bool:
 
 def nbytes_of(value: Any) -> int:
     """Bytes a tensor or a quantized weight of any format occupies (also a tensor or weight
-    carried as row blocks, llmq.quant.chunked: its `nbytes`)."""
+    carried as row blocks, llmq.quant.row_blocks: its `nbytes`)."""
     fmt = format_of(value)
     if fmt is not None:
         return fmt.nbytes(value)

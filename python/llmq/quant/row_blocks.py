@@ -152,7 +152,7 @@ class RowBlocks:
 
 
 class TensorRowBlocks(RowBlocks):
-    """A tensor already in memory, seen as row blocks (tests; a caller that wants the chunked
+    """A tensor already in memory, seen as row blocks (tests; a caller that wants the row-block
     write path for its own tensor)."""
 
     def __init__(self, tensor: torch.Tensor, block_rows: int):
