@@ -154,7 +154,7 @@ def _describe(fqn: str, value: Value) -> Tuple[Dict[str, Any], List[Tuple[str, t
             stored = {role: placeholder(dtype, part_shape) for role, dtype, part_shape in value.parts_layout()}
         entries = {role: f"{fqn}.{role}" for role in stored}
         common = {"shape": list(shape), "dtype": _dtype_name(value.dtype), "entries": entries}
-        kind = getattr(fmt, "bundle_kind", None)
+        kind = fmt.bundle_kind
         if kind is not None:
             record = {"kind": kind, **params, **common}
         else:
@@ -190,7 +190,7 @@ def _record_format(rec: Dict[str, Any]) -> Optional[Format]:
         return fmt if fmt.can_quantize else None  # import-only families (GGUF blocks) are never stored
     for name in format_names():
         fmt = get_format(name)
-        if kind is not None and getattr(fmt, "bundle_kind", None) == kind:
+        if kind is not None and fmt.bundle_kind == kind:
             return fmt
     return None
 

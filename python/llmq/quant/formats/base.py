@@ -74,6 +74,10 @@ class Format(abc.ABC):
     # Optional: how the family is written into Hugging Face folders (an HFExport, hf_export.py);
     # None where it is not exportable.
     hf_export: Optional[Any] = None
+    # Optional: the record kind a bundle keeps for this family in place of the generic
+    # {"kind": "quantized", "format": ...} record ("int": "group_quantized", every bundle version's
+    # record for it); None: the generic record (docs/checkpoint.md).
+    bundle_kind: Optional[str] = None
     # The QuantConfig fields (besides format and method) this family reads; a config that sets any
     # other field is refused by name. default_config gives a value for each.
     config_fields: Tuple[str, ...] = ()

@@ -292,8 +292,8 @@ def quantize_int(w: torch.Tensor, bits: int, group_size: Optional[int], symmetri
 def quantize_weight_torch(w: torch.Tensor, config: Any, *, name: str = "<tensor>") -> GroupQuantizedWeight:
     """quantize_int for a config of format "int" by the torch reference path only (never the
     compiled kernel): what the kernel is tested against, bit for bit."""
-    if getattr(config, "format", None) != "int":
-        raise ValueError(f"{name}: quantize_weight_torch handles integer formats only, got {getattr(config, 'format', config)!r}")
+    if config.format != "int":
+        raise ValueError(f"{name}: quantize_weight_torch handles integer formats only, got {config.format!r}")
     gs = _check_weight(w, config.bits, config.group_size, name)
     return _assemble(w, config.bits, gs, quantize_rows_torch(w, config.bits, gs, config.symmetric, config.method, name,
                                                              scale_dtype=config.scale_dtype))
