@@ -33,10 +33,11 @@ Rounding is torch.round (half to even), as in torchao.
 
 When the compiled kernel (cpp/quant, loaded by llmq.quant._native) is available, integer
 weights on the CPU go through it instead: it performs the same float32 operations in the
-same order and returns identical bytes, ~20x faster (docs/formats.md, "Performance"). The torch code below is the
-reference (`quantize_weight_torch`) and the fallback.
+same order and returns identical bytes, ~20x faster (docs/formats.md, "Performance"). The
+torch code below is the reference (`quantize_weight_torch`) and the fallback.
 
-The torchao converters (`to_torchao`, `from_torchao`; torchao is imported on first use): torchao stores signed q_s in int8 (range of torch.intB), a scale and an integer zero point
+The torchao converters (`to_torchao`, `from_torchao`; torchao is imported on first use):
+torchao stores signed q_s in int8 (range of torch.intB), a scale and an integer zero point
 per block, and dequantizes (q_s - zero_point) * scale. With offset = 2^(B-1):
 
     q_s = q - offset
