@@ -1,9 +1,9 @@
 """A checkpoint folder's side files (config.json, tokenizer files, generation_config.json,
 chat_template.jinja, ...): what a writer copies into its output next to the weights.
 
-The rule is the shards' (llmq.checkpoint.tensor_sources): a side file is a regular file inside the
-checkpoint folder (a Hugging Face hub cache snapshot: inside that model's cache folder, whose blobs
-its links point at). One that is a link resolving anywhere else (a local secret,
+The rule is the shards' (`allowed_root`, which llmq.checkpoint.tensor_sources also asks): a side
+file is a regular file inside the checkpoint folder (a Hugging Face hub cache snapshot: inside that
+model's cache folder, whose blobs its links point at). One that is a link resolving anywhere else (a local secret,
 ``/proc/self/environ``), or not a regular file (a FIFO, a device, a folder), is refused with one
 line naming it: it is never read, so never copied into a bundle, an HF folder or an MLX folder.
 """
@@ -15,13 +15,30 @@ import stat
 from typing import Iterable, List, Optional
 
 from llmq.checkpoint.errors import UnsupportedCheckpointError
-from llmq.checkpoint.tensor_sources import allowed_root
 
 # Files a tokenizer loader may read (transformers, mlx-lm); carried from a checkpoint when present.
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "tokenizer.model",
     "vocab.json", "merges.txt", "chat_template.json", "chat_template.jinja", "generation_config.json",
 )
+
+
+def allowed_root(folder: str) -> str:
+    """The folder that shard files (after following symlinks) must stay inside.
+
+    Normally the checkpoint folder itself. A Hugging Face hub cache snapshot
+    (``.../models--org--name/snapshots/<revision>/``, the layout ``snapshot_download`` and
+    transformers write) holds symlinks into ``../../blobs/``: for it the root is that model's
+    cache folder ``models--org--name/``, so links into its blobs are followed and anything
+    further out is still refused.
+    """
+    real = os.path.realpath(folder)
+    snapshots = os.path.dirname(real)
+    model_cache = os.path.dirname(snapshots)
+    if (os.path.basename(snapshots) == "snapshots" and os.path.basename(model_cache).startswith("models--")
+            and os.path.isdir(os.path.join(model_cache, "blobs"))):
+        return model_cache
+    return real
 
 
 def side_file(folder: os.PathLike, name: str) -> Optional[str]:

@@ -31,6 +31,7 @@ from llmq.checkpoint.errors import (
 )
 from llmq.checkpoint.gguf_import import GGUFFile
 from llmq.checkpoint.safetensors_io import DTYPE_NAMES, ReadBuffers, SafetensorsFile, has_lone_surrogate
+from llmq.checkpoint.side_files import allowed_root
 from llmq.quant.formats import GroupQuantizedWeight
 
 Value = Union[torch.Tensor, GroupQuantizedWeight]
@@ -213,24 +214,6 @@ class BundleSource(Source):
         if self._open is not None:
             self._open.close()
             self._open = None
-
-
-def allowed_root(folder: str) -> str:
-    """The folder that shard files (after following symlinks) must stay inside.
-
-    Normally the checkpoint folder itself. A Hugging Face hub cache snapshot
-    (``.../models--org--name/snapshots/<revision>/``, the layout ``snapshot_download`` and
-    transformers write) holds symlinks into ``../../blobs/``: for it the root is that model's
-    cache folder ``models--org--name/``, so links into its blobs are followed and anything
-    further out is still refused.
-    """
-    real = os.path.realpath(folder)
-    snapshots = os.path.dirname(real)
-    model_cache = os.path.dirname(snapshots)
-    if (os.path.basename(snapshots) == "snapshots" and os.path.basename(model_cache).startswith("models--")
-            and os.path.isdir(os.path.join(model_cache, "blobs"))):
-        return model_cache
-    return real
 
 
 def _safe_member(folder: str, rel: object, *, index: str, tensor: Optional[str]) -> str:
