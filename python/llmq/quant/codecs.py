@@ -165,6 +165,45 @@ def round_scale_mantissa(scale: torch.Tensor, significant_bits: int) -> torch.Te
     return bits.view(torch.float32)
 
 
+def qparams_symmetric(xmin: torch.Tensor, xmax: torch.Tensor, bits: int) -> torch.Tensor:
+    """torchao MappingType.SYMMETRIC scale from float32 group minima / maxima."""
+    qmin, qmax = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    min_neg = torch.clamp(xmin, max=0.0)
+    max_pos = torch.clamp(xmax, min=0.0)
+    amax = torch.max(-min_neg, max_pos)
+    scale = amax / (float(qmax - qmin) / 2)
+    return torch.clamp(scale, min=torch.finfo(torch.float32).smallest_normal)
+
+
+def qparams_asymmetric(xmin: torch.Tensor, xmax: torch.Tensor, bits: int, name: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """torchao MappingType.ASYMMETRIC qparams (unsigned range) from float32 group minima /
+    maxima, with the scale mantissa rounded to 24-bits significant bits; (scale, zero)."""
+    qmax = (1 << bits) - 1
+    min_neg = torch.clamp(xmin, max=0.0)
+    max_pos = torch.clamp(xmax, min=0.0)
+    scale = (max_pos - min_neg) / float(qmax)
+    scale = torch.clamp(scale, min=torch.finfo(torch.float32).smallest_normal)
+    scale = round_scale_mantissa(scale, 24 - bits)
+    if not bool(torch.isfinite(scale).all()):
+        raise ValueError(f"{name}: a group's value range (max - min) overflows float32; cannot quantize")
+    zero = torch.clamp(0.0 - torch.round(min_neg / scale), 0, qmax)
+    return scale, zero
+
+
+def round_to_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float32 `t` rounded (to nearest, ties to even) to `dtype` and back to float32."""
+    return t if dtype == torch.float32 else t.to(dtype).to(torch.float32)
+
+
+
+def smallest_scale(dtype: torch.dtype) -> float:
+    """The smallest positive scale written in `dtype` (float16: its smallest subnormal, 2^-24;
+    bfloat16: its smallest normal, as float32's clamp)."""
+    if dtype == torch.float16:
+        return 2.0 ** -24
+    return float(torch.finfo(dtype).tiny)
+
+
 def positive_or_one(scale: torch.Tensor) -> torch.Tensor:
     """`scale` with 1.0 where it is not positive (an all-zero tensor, row or block)."""
     return torch.where(scale > 0, scale, torch.ones_like(scale))

@@ -39,6 +39,7 @@ from typing import Optional, Tuple
 import torch
 
 import llmq.quant._native as _native
+from llmq.quant.codecs import round_to_dtype, smallest_scale
 
 P_NORM = 0.7
 BETA = 10.0
@@ -147,9 +148,6 @@ def hqq_qparams_torch(g: torch.Tensor, bits: int, *, importance: Optional[torch.
     den = None if a is None else _sum64(a)
     s, z = init_qparams(g, bits)
     if scale_dtype != torch.float32:
-        from llmq.quant.scale_rounding import smallest_scale
-        from llmq.quant.storage import round_to_dtype
-
         s = torch.clamp(round_to_dtype(s, scale_dtype), min=smallest_scale(scale_dtype))
         z = 0.0 - torch.clamp(g.amin(-1), max=0.0) / s
     inv = 1.0 / s

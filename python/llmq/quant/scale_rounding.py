@@ -27,17 +27,9 @@ from typing import Iterable, Optional, Tuple
 
 import torch
 
-from llmq.quant.storage import round_to_dtype
+from llmq.quant.codecs import qparams_asymmetric, qparams_symmetric, round_to_dtype, smallest_scale
 
 NARROW_SCALE_DTYPES = (torch.float16, torch.bfloat16)
-
-
-def smallest_scale(dtype: torch.dtype) -> float:
-    """The smallest positive scale written in `dtype` (float16: its smallest subnormal, 2^-24;
-    bfloat16: its smallest normal, as float32's clamp)."""
-    if dtype == torch.float16:
-        return 2.0 ** -24
-    return float(torch.finfo(dtype).tiny)
 
 
 def _rounded(scale: torch.Tensor, bias: torch.Tensor, dtype: torch.dtype, offset: Optional[int], name: str):
@@ -85,7 +77,6 @@ def quantize_groups(g: torch.Tensor, config, importance: Optional[torch.Tensor],
     scale_dtype is 16-bit, by its method (module docstring)."""
     import llmq.quant.hqq as hqq
     import llmq.quant.search as search
-    from llmq.quant.quantize import _qparams_asymmetric, _qparams_symmetric  # quantize.py imports this module
 
     bits, dtype = config.bits, config.scale_dtype
     xmin, xmax = g.amin(-1), g.amax(-1)
@@ -102,7 +93,7 @@ def quantize_groups(g: torch.Tensor, config, importance: Optional[torch.Tensor],
         s32, z32 = hqq.hqq_qparams(g, bits, importance)
         cands = [(s, 0.0 - z * s), (s32, 0.0 - z32 * s32)]
     elif config.symmetric:
-        cands = with_bias([(_qparams_symmetric(xmin, xmax, bits), None)])
+        cands = with_bias([(qparams_symmetric(xmin, xmax, bits), None)])
     else:
-        cands = with_bias([_qparams_asymmetric(xmin, xmax, bits, name)])
+        cands = with_bias([qparams_asymmetric(xmin, xmax, bits, name)])
     return best_rounded(g, cands, bits, dtype, config.symmetric, importance, name)

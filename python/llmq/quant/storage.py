@@ -105,8 +105,3 @@ def group_tensors(bits: int, group_size: Optional[int], *, code_dtype: torch.dty
         return out
 
     return tensors
-
-
-def round_to_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """float32 `t` rounded (to nearest, ties to even) to `dtype` and back to float32."""
-    return t if dtype == torch.float32 else t.to(dtype).to(torch.float32)

@@ -69,6 +69,8 @@ from llmq.quant.codecs import (
     check_weight,
     pack_bits,
     packed_row_bytes,
+    qparams_asymmetric,
+    qparams_symmetric,
     raise_not_finite,
     round_scale_mantissa,
     row_ranges,
@@ -184,31 +186,6 @@ class _NotFinite(Exception):
     """Rows held NaN/Inf; quantize_rows_torch reports it against the whole weight."""
 
 
-def _qparams_symmetric(xmin: torch.Tensor, xmax: torch.Tensor, bits: int) -> torch.Tensor:
-    """torchao MappingType.SYMMETRIC scale from float32 group minima / maxima."""
-    qmin, qmax = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
-    min_neg = torch.clamp(xmin, max=0.0)
-    max_pos = torch.clamp(xmax, min=0.0)
-    amax = torch.max(-min_neg, max_pos)
-    scale = amax / (float(qmax - qmin) / 2)
-    return torch.clamp(scale, min=torch.finfo(torch.float32).smallest_normal)
-
-
-def _qparams_asymmetric(xmin: torch.Tensor, xmax: torch.Tensor, bits: int, name: str) -> Tuple[torch.Tensor, torch.Tensor]:
-    """torchao MappingType.ASYMMETRIC qparams (unsigned range) from float32 group minima /
-    maxima, with the scale mantissa rounded to 24-bits significant bits; (scale, zero)."""
-    qmax = (1 << bits) - 1
-    min_neg = torch.clamp(xmin, max=0.0)
-    max_pos = torch.clamp(xmax, min=0.0)
-    scale = (max_pos - min_neg) / float(qmax)
-    scale = torch.clamp(scale, min=torch.finfo(torch.float32).smallest_normal)
-    scale = round_scale_mantissa(scale, 24 - bits)
-    if not bool(torch.isfinite(scale).all()):
-        raise ValueError(f"{name}: a group's value range (max - min) overflows float32; cannot quantize")
-    zero = torch.clamp(0.0 - torch.round(min_neg / scale), 0, qmax)
-    return scale, zero
-
-
 def _group_importance(importance: Optional[torch.Tensor], k: int, gs: int) -> Optional[torch.Tensor]:
     return None if importance is None else importance.reshape(k // gs, gs)
 
@@ -237,13 +214,13 @@ def _quantize_rows(x: torch.Tensor, bits: int, gs: int, symmetric: bool, method:
         return pack_bits(q.reshape(rows, k), bits), scale, bias
     if symmetric:
         offset = 1 << (bits - 1)
-        scale = _qparams_symmetric(xmin, xmax, bits)
+        scale = qparams_symmetric(xmin, xmax, bits)
         if method == "search":
             scale, _ = search.search_qparams(g, xmin, xmax, bits, True, _group_importance(importance, k, gs))
         q = torch.mul(g, (1.0 / scale).unsqueeze(-1)).round_().clamp_(-offset, offset - 1).add_(offset)
         bias = scale * -float(offset)
     else:
-        scale, zero = _qparams_asymmetric(xmin, xmax, bits, name)  # also rejects an overflowing range
+        scale, zero = qparams_asymmetric(xmin, xmax, bits, name)  # also rejects an overflowing range
         if method == "hqq":  # float zero: codes round after adding it, bias = -z*s
             scale, zero = hqq.hqq_qparams(g, bits, None if importance is None else importance.reshape(k // gs, gs))
             q = torch.mul(g, (1.0 / scale).unsqueeze(-1)).add_(zero.unsqueeze(-1)).round_().clamp_(0, (1 << bits) - 1)
