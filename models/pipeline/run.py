@@ -215,7 +215,7 @@ def run(arch: Architecture, *, checkpoint: Optional[str], recipe: Optional[str],
 
         if writer.takes_float:  # the backend quantized: what it wrote is on disk, its weights it counted
             tally.bytes_out = _folder_bytes(written)
-            tally.quantized_bits, tally.quantized_weights = getattr(writer, "written_bits", lambda path: (0, 0))(written)
+            tally.quantized_bits, tally.quantized_weights = writer.written_bits(written)
             written_row = f"{tally.tensors} model tensors in, quantized by the backend"
         else:
             written_row = f"{tally.tensors} ({tally.quantized} quantized)"

@@ -3,8 +3,8 @@
 The reference is built from the input (from a GGUF file: the GGUF model itself, its quantized
 weights dequantized exactly); the quantized model from `backend.reload` (the output read back in
 canonical form). Both run one prompt (logits cosine, SQNR, greedy tokens). Then, where the backend
-has one, `backend.check_consumer` loads the folder as its consumer does (e.g. mlx_lm.load), and
-with --use_moe_quantized_op the MoE blocks run through the fused C++ kernel.
+declares `checks_consumer`, `backend.check_consumer` loads the folder as its consumer does (e.g.
+mlx_lm.load), and with --use_moe_quantized_op the MoE blocks run through the fused C++ kernel.
 """
 
 from __future__ import annotations
@@ -53,11 +53,10 @@ def verify(arch: Architecture, config, source, backend, job, path: str, referenc
             text = text_agreement(tokenizer, reference, quantized)
             result["text"] = text
             rows += text_rows(text)
-    consumer = getattr(backend, "check_consumer", None)
-    if consumer is not None and failure is None:
+    if backend.checks_consumer and failure is None:
         step(f"verify: loading {path} as its consumer does (--backend {backend.name}) and comparing its logits")
-        consumer_rows, consumer_result = consumer(path, job, reference, quantized,
-                                                  verification_prompt(config.vocab_size, seed))
+        consumer_rows, consumer_result = backend.check_consumer(path, job, reference, quantized,
+                                                                verification_prompt(config.vocab_size, seed))
         rows += consumer_rows
         result.update(consumer_result)
         failure = failure or consumer_result.get("failure")

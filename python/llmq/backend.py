@@ -1,9 +1,10 @@
-"""Backends: where a quantized stream goes. One protocol, one registry.
+"""Backends: where a quantized stream goes. One base class (`Backend`), one registry.
 
 A backend turns the pipeline's stream of model-layout tensors into a folder some consumer
 loads (the portable llmq bundle, tinygemm tiles, an mlx-lm folder, a quantized Hugging Face
 folder), and reads that folder back for verification. Each backend registers itself once::
 
+    class MyBackend(Backend): ...          # every member declared on Backend, with its default
     register_backend(MyBackend())          # at import of its module
 
 and the pipeline looks it up by name (``get_backend(flag_value)``); nothing else names it.
@@ -13,7 +14,7 @@ The portable bundle is registered here, by the core itself. See docs/backends.md
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Protocol, Tuple, runtime_checkable
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 
 from llmq.quant.storage import CANONICAL, Storage
 
@@ -31,7 +32,8 @@ def _unchanged(tensors: Dict[str, Any]) -> Dict[str, Any]:
 
 @dataclasses.dataclass(frozen=True)
 class WriteJob:
-    """What a writer needs, fixed before any tensor flows.
+    """What a writer needs, fixed before any tensor flows (the pipeline fills it from the model's
+    Architecture and the input, so a backend never imports a model).
 
     out: the output folder. recipe / recipe_name: the QuantRecipe and the name it was asked by.
     architecture: the model's name. hf_config: its config.json dict; model_config: the parsed
@@ -39,11 +41,22 @@ class WriteJob:
     from the end. to_hf(name, value) -> {hf_name: value}: a model-layout tensor as the HF
     checkpoint stores it; from_hf({hf_name: value}) -> {model name: value}: the inverse, for
     reloading. source_files: files the input carries (config.json, tokenizer) to copy along;
-    tokenizer_files: tokenizer files for consumers that need them. source_kind: "hf" (a folder),
-    "gguf" (a .gguf file; no config or tokenizer files) or "embedded" (the tiny default model).
+    tokenizer_files: tokenizer files for consumers that need them (Backend.needs_tokenizer_files).
+    source_kind: "hf" (a folder), "gguf" (a .gguf file; no config or tokenizer files) or
+    "embedded" (the tiny default model); source_path: that folder or file (with source_kind
+    "gguf", the file whose metadata, general.* and tokenizer.ggml.*, a GGUF writer may carry over).
+    max_shard_bytes / resume: shard size and whether an interrupted run's shards are reused.
+    metadata: str -> str pairs the output records (architecture, backend, recipe).
+    verify: the run reloads the output afterwards (reload / check_consumer follow write).
     add_files(folder): the run's own files (its error report, a chosen recipe); a writer calls it
     with its work folder once the stream is written, before the one publish, so they are
     published with the output or not at all.
+
+    For writers in llama.cpp's naming (from the model's GGUF import, empty where it has none):
+    gguf_architecture: the GGUF ``general.architecture`` value (e.g. "gemma3"); gguf_names: the
+    tensor-name table, GGUF template -> HF template, ``{L}`` standing for the layer index
+    (``"blk.{L}.attn_q.weight" -> "model.layers.{L}.self_attn.q_proj.weight"``); invert it with
+    to_hf's names to name a model tensor in GGUF.
     """
 
     out: str
@@ -58,57 +71,94 @@ class WriteJob:
     source_files: Tuple[str, ...] = ()
     tokenizer_files: Tuple[str, ...] = ()
     source_kind: str = "hf"
+    source_path: str = ""
     max_shard_bytes: int = 2 << 30
     resume: bool = True
     metadata: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    verify: bool = False  # the run reloads the output afterwards (reload / check_consumer follow write)
+    verify: bool = False
     add_files: Optional[Callable[[str], None]] = None
+    gguf_architecture: str = ""
+    gguf_names: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
 class BackendError(ValueError):
     """A job a backend cannot write (a refused input, format or output place): one line, shown as is."""
 
 
-@runtime_checkable
-class Backend(Protocol):
-    """A terminal writer of quantized tensors.
+class Backend:
+    """A terminal writer of quantized tensors: subclass it, set the four attributes without a
+    default, define `write` (and `reload` unless `reloads` is False), and override what else applies.
 
-    name: the --backend value; description: one line for --help. accepts_formats: the format
-    names a recipe may use with it (checked before any work). storage(config, job) -> Storage
-    (llmq.quant.storage): how it writes a weight quantized with `config` (scale dtype, the tensors
-    and their dtypes and shapes): the run quantizes with that scale dtype and counts every bits
-    per weight it budgets, reports and prints from it, so they are the bytes it writes (job may be
-    None: the declaration must not need more than job.hf_config). takes_float: False (the usual
-    case) means write() receives the quantized stream (llmq values: tensors and quantized
-    weights, quantized by job.recipe); True means it receives the unquantized model-layout
-    stream and quantizes with job.recipe itself.
+    Every member, with its default:
 
-    Optional attribute ``streams_row_blocks`` (default False): True where write() also takes
-    tensors carried as row blocks (llmq.quant.row_blocks: RowBlocks, QuantizedRowBlocks), which
-    the pipeline then sends for large tensors so its memory stays one block.
-    Optional methods, looked up with getattr: ``written_bits(path) -> (bits, weights)`` (a
-    takes_float backend: what it wrote for the weights it quantized, counted by its `storage`, for
-    the run's summary); ``check(job)`` refuses a job before any work
-    (BackendError, one line); ``summary(path, job) -> rows`` extra summary rows;
-    ``check_consumer(path, job, reference, quantized, prompt) -> (rows, dict)`` loads the folder
-    as its consumer does and compares its logits for `prompt` [1, T] with our unquantized
-    (`reference`) and reloaded (`quantized`) models.
+    - name: the --backend value; description: one line for --help.
+    - accepts_formats: the format names a recipe may use with it (checked before any work).
+    - storage(config, job) -> Storage (llmq.quant.storage): required; how it writes a weight quantized
+      with `config` (scale dtype, the tensors and their dtypes and shapes): the run quantizes with that
+      scale dtype and counts every bits per weight it budgets, reports and prints from it, so they are
+      the bytes it writes (job may be None: the declaration must not need more than job.hf_config).
+    - takes_float (False): False means write() receives the quantized stream (llmq values: tensors
+      and quantized weights, quantized by job.recipe); True means it receives the unquantized
+      model-layout stream and quantizes with job.recipe itself.
+    - streams_row_blocks (False): True where write() also takes tensors carried as row blocks
+      (llmq.quant.row_blocks: RowBlocks, QuantizedRowBlocks); the pipeline then sends large tensors
+      that way, so its memory stays one block.
+    - needs_tokenizer_files (False): True where the output needs the tokenizer as files
+      (tokenizer.json ...): a GGUF input's tokenizer is then written out as files and handed over in
+      job.tokenizer_files.
+    - reloads (True): whether `reload` can read the output back; a backend that cannot sets False,
+      and the pipeline's default verification is then skipped with a line saying why (an explicit
+      --verify is refused).
+    - checks_consumer (False): True where `check_consumer` loads the folder as its consumer does.
+    - check(job): refuse a job before any work (BackendError, one line); default: accept.
+    - write(stream, job) -> path: required.
+    - reload(path, job) -> {name: value}: required where `reloads`.
+    - summary(path, job) -> rows: extra summary rows; default none.
+    - written_bits(path) -> (bits, weights): a takes_float backend's count, by its `storage`, of what
+      it wrote for the weights it quantized (the run's summary); default (0, 0): none counted.
+    - check_consumer(path, job, reference, quantized, prompt) -> (rows, dict): where
+      `checks_consumer`, load the folder as its consumer does and compare its logits for `prompt`
+      [1, T] with our unquantized (`reference`) and reloaded (`quantized`) models; the dict may hold
+      "failure" (one line).
     """
 
-    name: str
-    description: str
-    accepts_formats: Tuple[str, ...]
-    takes_float: bool
+    name: str = ""
+    description: str = ""
+    accepts_formats: Tuple[str, ...] = ()
+    takes_float: bool = False
+    streams_row_blocks: bool = False
+    needs_tokenizer_files: bool = False
+    reloads: bool = True
+    checks_consumer: bool = False
+
+    def check(self, job: WriteJob) -> None:
+        """Raise BackendError (one line) for a job this backend cannot write; called before any work."""
 
     def storage(self, config: Any, job: Optional[WriteJob]) -> Storage:
         """How a weight quantized with `config` is written (llmq.quant.storage.Storage)."""
+        raise NotImplementedError(f"{type(self).__name__}.storage")
 
     def write(self, stream: Stream, job: WriteJob) -> str:
         """Write the stream to job.out; return the output path. Publish only a complete folder, with
         job.add_files called on it first (llmq.checkpoint.workfolder does both)."""
+        raise NotImplementedError(f"{type(self).__name__}.write")
 
     def reload(self, path: str, job: WriteJob) -> Dict[str, Any]:
         """The written tensors as model-layout canonical values (what the model is built from)."""
+        raise NotImplementedError(f"--backend {self.name} cannot read its output back (reloads = False)")
+
+    def summary(self, path: str, job: WriteJob) -> Rows:
+        """Extra (label, text) rows for the run's summary table."""
+        return []
+
+    def written_bits(self, path: str) -> Tuple[int, int]:
+        """A takes_float backend's (bits, weights) written for the weights it quantized; (0, 0): none counted."""
+        return 0, 0
+
+    def check_consumer(self, path: str, job: WriteJob, reference: Any, quantized: Any,
+                       prompt: Any) -> Tuple[Rows, Dict[str, Any]]:
+        """Where `checks_consumer`: (summary rows, numbers; "failure": one line where the consumer disagrees)."""
+        return [], {}
 
 
 _REGISTRY: Dict[str, Backend] = {}
@@ -116,10 +166,16 @@ _REGISTRY: Dict[str, Backend] = {}
 
 def register_backend(backend: Backend) -> Backend:
     """Make `backend` available as get_backend(backend.name); a second backend of one name is refused."""
-    missing = [a for a in ("name", "description", "accepts_formats", "takes_float", "storage", "write", "reload")
-               if not hasattr(backend, a)]
+    if not isinstance(backend, Backend):
+        raise TypeError(f"{type(backend).__name__} is not a Backend (subclass llmq.backend.Backend)")
+    cls = type(backend)
+    missing = [m for m, undefined in (("storage", cls.storage is Backend.storage),
+                                      ("write", cls.write is Backend.write),
+                                      ("reload", backend.reloads and cls.reload is Backend.reload),
+                                      ("check_consumer", backend.checks_consumer
+                                       and cls.check_consumer is Backend.check_consumer)) if undefined]
     if missing:
-        raise TypeError(f"{type(backend).__name__} is not a Backend: it lacks {', '.join(missing)}")
+        raise TypeError(f"{cls.__name__} is not a complete Backend: it lacks {', '.join(missing)}")
     if not isinstance(backend.name, str) or not backend.name:
         raise ValueError(f"backend name must be a non-empty string, got {backend.name!r}")
     if backend.name in _REGISTRY:
@@ -160,7 +216,7 @@ def backend_names() -> List[str]:
     return sorted(_REGISTRY, key=lambda n: (n != BundleBackend.name, n))
 
 
-class BundleBackend:
+class BundleBackend(Backend):
     """The portable llmq bundle (llmq.checkpoint.save_bundle): canonical weights, every format the
     library can quantize, the source files alongside."""
 

@@ -9,7 +9,7 @@ from llmq.quant import QuantConfig, QuantRecipe, QuantRule, dequantize, quantize
 from llmq.quant.storage import CANONICAL
 
 
-class _Dummy:
+class _Dummy(Backend):
     name = "dummy-test"
     description = "a test backend"
     accepts_formats = ("int",)
@@ -50,15 +50,57 @@ def test_register_refuses_a_duplicate_and_lookup_names_the_known(clean_registry)
 
 
 def test_register_refuses_what_is_not_a_backend(clean_registry):
-    class NoReload:
+    class Lookalike:  # the members, but not a Backend: nothing declares its defaults
         name, description, accepts_formats, takes_float = "x", "x", (), False
 
         def write(self, stream, job):
             return ""
 
+        def reload(self, path, job):
+            return {}
+
+        def storage(self, config, job):
+            return CANONICAL
+
+    class NoReload(Backend):
+        name, description = "y", "y"
+
+        def write(self, stream, job):
+            return ""
+
+    class NoConsumer(_Dummy):
+        name, checks_consumer = "z", True
+
+    with pytest.raises(TypeError, match="Lookalike is not a Backend"):
+        register_backend(Lookalike())
     with pytest.raises(TypeError, match="lacks storage, reload"):
         register_backend(NoReload())
-    assert "x" not in backend_names()
+    with pytest.raises(TypeError, match="lacks check_consumer"):
+        register_backend(NoConsumer())
+    assert not {"x", "y", "z"} & set(backend_names())
+
+
+def test_a_backend_declares_what_it_cannot_do(clean_registry):
+    class WriteOnly(Backend):
+        name, description, reloads = "write-only", "writes, cannot read back", False
+
+        def storage(self, config, job):
+            return CANONICAL
+
+        def write(self, stream, job):
+            return job.out
+
+    b = register_backend(WriteOnly())
+    job = WriteJob(out="o", recipe=None, recipe_name="r", architecture="toy")
+    assert (b.takes_float, b.streams_row_blocks, b.needs_tokenizer_files, b.checks_consumer) == (False,) * 4
+    assert b.check(job) is None and b.summary("o", job) == [] and b.written_bits("o") == (0, 0)
+    with pytest.raises(NotImplementedError, match="--backend write-only cannot read its output back"):
+        b.reload("o", job)
+
+
+def test_every_registered_backend_is_a_backend():
+    for name in backend_names():
+        assert isinstance(get_backend(name), Backend), name
 
 
 @pytest.mark.parametrize("config", [

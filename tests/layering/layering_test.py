@@ -1,14 +1,26 @@
 """The shared library never imports a backend or a model (data flows one way).
 
 Bazel visibility already rejects a BUILD dependency from python/llmq on backends/ or
-models/; this test also catches an import that would only fail at run time.
+models/; this test also catches an import that would only fail at run time. The backends'
+packages (llmq_<name>) are read from the backend registry: a new backend is covered without
+editing this file.
 """
 
 import ast
 import os
 from pathlib import Path
 
-FORBIDDEN_TOP_LEVEL = {"backends", "models", "llmq_mlx", "llmq_cuda", "llmq_models"}
+import backends.registered  # noqa: F401  every backend registered
+from llmq.backend import backend_names, get_backend
+
+
+def _backend_packages():
+    """The top-level package of every registered backend that is not the core's own."""
+    packages = {type(get_backend(name)).__module__.split(".")[0] for name in backend_names()}
+    return packages - {"llmq"}
+
+
+FORBIDDEN_TOP_LEVEL = {"backends", "models", "llmq_models"} | _backend_packages()
 
 
 def _core_sources():
@@ -38,6 +50,13 @@ def test_core_imports_no_backend_or_model():
     assert not offenders, "python/llmq must not import backends or models:\n" + "\n".join(offenders)
 
 
+def test_every_backend_package_is_forbidden():
+    packages = _backend_packages()
+    assert {"llmq_cuda", "llmq_hf", "llmq_mlx"} <= packages, packages
+    assert packages <= FORBIDDEN_TOP_LEVEL
+
+
 def test_the_check_sees_a_violation():
-    tree = ast.parse("import os\nfrom llmq_mlx.pack import pack\n")
-    assert any(m.split(".")[0] in FORBIDDEN_TOP_LEVEL for m in _imported_modules(tree))
+    for package in sorted(_backend_packages()):
+        tree = ast.parse(f"import os\nfrom {package}.backend import register_backend\n")
+        assert any(m.split(".")[0] in FORBIDDEN_TOP_LEVEL for m in _imported_modules(tree)), package

@@ -17,7 +17,7 @@ from typing import Dict, Iterable, Iterator, Optional, Tuple
 
 import torch
 
-from llmq.backend import BundleBackend, WriteJob, register_backend
+from llmq.backend import Backend, BundleBackend, WriteJob, register_backend
 from llmq.quant import GroupQuantizedWeight, pack_bits
 from llmq.quant.storage import Storage, group_tensors
 from llmq_cuda.tinygemm import (TINYGEMM_GROUP_SIZES, TINYGEMM_INNER_K_TILES, TinygemmInt4Weight, pack_tinygemm_int4,
@@ -88,7 +88,7 @@ def to_canonical(tensors: Dict[str, object]) -> Dict[str, object]:
     return out
 
 
-class CudaBackend:
+class CudaBackend(Backend):
     """--backend=cuda: the bundle with tinygemm int4 tiles (see the module docstring)."""
 
     name = "cuda"

@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tupl
 
 import torch
 
-from llmq.backend import WriteJob, register_backend
+from llmq.backend import Backend, WriteJob, register_backend
 from llmq.quant.formats import format_names, get_format
 from llmq.quant.storage import Storage
 
@@ -113,8 +113,9 @@ def _count_written(stream: Iterable[Tuple[str, Any]], lookup: Callable[[str], An
         yield name, tensor
 
 
-class HfExportBackend:
+class HfExportBackend(Backend):
     takes_float = True
+    checks_consumer = True  # the folder read back as its consumer reads it (llmq.export.verify_export)
     streams_row_blocks = True  # write_hf_quantized_checkpoint quantizes and writes row blocks block by block
 
     def __init__(self, style: str, name: str, description: str):

@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequ
 import numpy as np
 import torch
 
-from llmq.backend import BackendError, WriteJob, register_backend
+from llmq.backend import Backend, BackendError, WriteJob, register_backend
 from llmq.checkpoint import TOKENIZER_FILES, side_files
 from llmq.quant import GroupQuantizedWeight
 from llmq.quant.storage import Storage, group_tensors
@@ -180,13 +180,14 @@ def _representable(stream: Iterable[Tuple[str, Value]], job: WriteJob) -> Iterat
               f"and were re-quantized from their exact dequantized values with the recipe (e.g. {redone[0]})")
 
 
-class MlxBackend:
+class MlxBackend(Backend):
     """--backend=mlx (see the module docstring)."""
 
     name = "mlx"
     description = "a folder mlx_lm.load runs (MLX affine int weights, mlx-lm names and config.json)"
     accepts_formats = ("int",)  # MLX affine weights are integer
     takes_float = False
+    checks_consumer = True  # mlx_lm.load runs the folder
     needs_tokenizer_files = True  # a GGUF input's tokenizer is written out as files for mlx_lm.load
 
     def __init__(self):
