@@ -6,10 +6,11 @@ spec.py (the spec: `ARCHITECTURE`), quantize_and_save.py, recipes/*.json, and th
 model_test.py (parity with transformers) and keymap_test.py. The macro declares:
 
   :model              py_library   the module code (every *.py but the files below and tests)
-  :gguf_checkpoint    py_library   gguf_checkpoint.py (--checkpoint=model.gguf; gguf_import = False: none)
+  :gguf_checkpoint    py_library   gguf_checkpoint.py (--checkpoint=model.gguf), where the package has one
   :mlx_export         py_library   mlx_export.py            (mlx_export = True)
   :spec               py_library   spec.py + recipes/*.json
-  :quantize_and_save  py_binary    the main job
+  :quantize_and_save  py_binary    the main job (over //models:architectures: another model's checkpoint
+                                   given to it names that model's target)
   :export, :export_lib, :export_pte                           (export = True: export.py, export_pte.py)
   :param_count, :param_count_lib, :param_count_test           (param_count = True: param_count.py)
   :model_test, :keymap_test, and one llmq_py_test per name in `tests` (<name>.py)
@@ -35,28 +36,25 @@ _SPEC_FILES = ["export.py", "export_pte.py", "gguf_checkpoint.py", "mlx_export.p
 
 def llmq_model(
         model_deps = [],
-        gguf_import = True,
+        gguf_import = None,
         gguf_deps = [],
         mlx_export = False,
         export = False,
         export_deps = [],
         param_count = False,
-        others = [],
         tests = [],
         exclude = []):
     """Declares the targets above in the calling package.
 
     Args:
       model_deps: extra deps of :model (another model's :model whose modules it reuses).
-      gguf_import: the package has gguf_checkpoint.py (GGUF input).
+      gguf_import: the package has gguf_checkpoint.py (GGUF input); default: whether the file exists.
       gguf_deps: extra deps of :gguf_checkpoint (another model's converter it extends).
       mlx_export: the package has mlx_export.py.
       export: the package has export.py (torch.export .pt2) and export_pte.py (ExecuTorch).
       export_deps: extra deps of the export targets (another model's :export_lib whose cache layout it reuses,
         or what only some flag imports).
       param_count: the package has param_count.py and param_count_test.py.
-      others: :spec targets of other architectures, so that their checkpoints given to this
-        quantize_and_save are told which target to use.
       tests: further test files (names without .py) depending on :spec.
       exclude: further *.py files that are not module code (binaries declared in the BUILD file).
     """
@@ -67,6 +65,8 @@ def llmq_model(
         deps = ["//models:init", "//models/common"] + model_deps,
     )
     spec_deps = [":model", "//models/pipeline"]
+    if gguf_import == None:
+        gguf_import = len(native.glob(["gguf_checkpoint.py"], allow_empty = True)) > 0
     if gguf_import:
         native.py_library(
             name = "gguf_checkpoint",
@@ -91,7 +91,7 @@ def llmq_model(
         name = "quantize_and_save",
         srcs = ["quantize_and_save.py"],
         python_version = "PY3",
-        deps = [":spec"] + others,
+        deps = [":spec", "//models:architectures"],
     )
     if export:
         llmq_tool(name = "export", deps = [":model", ":spec", "//models/pipeline"] + export_deps)

@@ -1,5 +1,6 @@
 """bazel run //models/gemma3:quantize_and_save -- [--checkpoint=DIR|FILE.gguf] [--recipe=int4] [--out=DIR]"""
 
+import models.architectures  # noqa: F401  every model registered: another model's checkpoint names its target
 from models.gemma3.spec import ARCHITECTURE
 from models.pipeline.quantize_and_save import main_for
 

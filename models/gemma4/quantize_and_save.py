@@ -1,8 +1,8 @@
 """bazel run //models/gemma4:quantize_and_save -- [--checkpoint=DIR] [--recipe=int4] [--out=DIR]"""
 
+import models.architectures  # noqa: F401  every model registered: another model's checkpoint names its target
 from models.gemma4.spec import ARCHITECTURE
 from models.pipeline.quantize_and_save import main_for
-from models.qwen.spec import ARCHITECTURE as OTHER
 
 if __name__ == "__main__":
-    main_for(ARCHITECTURE, others=[OTHER])  # a checkpoint of the other model names its target
+    main_for(ARCHITECTURE)

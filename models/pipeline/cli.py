@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 import os
 import sys
-from typing import Sequence
 
 from absl import app, flags
 
@@ -68,9 +67,9 @@ for _name in ("verify_min_cosine", "budget_bits_per_weight"):  # absl's bounds l
                              message="expected a finite number")
 
 
-def main_for(arch: Architecture, others: Sequence[Architecture] = ()) -> None:
-    """absl entry point of a model's quantize_and_save binary; `others` are the architectures of the
-    sibling binaries (a checkpoint of one of them is told which target to use)."""
+def main_for(arch: Architecture) -> None:
+    """absl entry point of a model's quantize_and_save binary; a checkpoint of another architecture
+    registered in the process (models/architectures.py) is told which target to use."""
 
     def _main(argv):
         if len(argv) > 1:
@@ -92,7 +91,7 @@ def main_for(arch: Architecture, others: Sequence[Architecture] = ()) -> None:
                 out=_user_path(FLAGS.out),
                 resume=FLAGS.resume, max_shard_size=FLAGS.max_shard_size, verify=FLAGS.verify, seed=FLAGS.seed,
                 use_moe_op=FLAGS.use_moe_quantized_op, verify_min_cosine=FLAGS.verify_min_cosine,
-                verify_warn_only=FLAGS.verify_warn_only, progress=progress, others=others,
+                verify_warn_only=FLAGS.verify_warn_only, progress=progress,
                 error_report=_error_report_wanted(), calibration_text=_user_path(FLAGS.calibration_text),
                 calibration_tokens=FLAGS.calibration_tokens, budget_bits_per_weight=FLAGS.budget_bits_per_weight,
                 budget_method=FLAGS.budget_method, requantize_gguf=FLAGS.requantize_gguf)

@@ -14,10 +14,25 @@ import sys
 import pytest
 from safetensors.torch import load_file, save_file
 
-from models.gemma4.spec import ARCHITECTURE as GEMMA4
-from models.pipeline.default_model import write_default_checkpoint
-from models.pipeline.cli_testing import run_main
-from models.qwen.spec import ARCHITECTURE as QWEN
+from llmq.backend import BundleBackend, register_backend
+
+
+class _WriteOnly(BundleBackend):
+    """The bundle's writer, declared unable to read its output back (reloads = False); registered before
+    the command line's flags are defined, as a backend package's import would."""
+
+    name = "write-only-test"
+    reloads = False
+
+    def reload(self, path, job):
+        raise AssertionError("reload called on a backend that declares reloads = False")
+
+
+register_backend(_WriteOnly())
+
+from models.architectures import GEMMA3, GEMMA4, QWEN  # noqa: E402
+from models.pipeline.default_model import write_default_checkpoint  # noqa: E402
+from models.pipeline.cli_testing import run_main  # noqa: E402
 
 INDEX = "model.safetensors.index.json"
 
@@ -26,7 +41,8 @@ INDEX = "model.safetensors.index.json"
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
     good = write_default_checkpoint(QWEN, str(root / "qwen"), seed=1)
-    made = {"good": good, "gemma": write_default_checkpoint(GEMMA4, str(root / "gemma"), seed=1)}
+    made = {"good": good, "gemma": write_default_checkpoint(GEMMA4, str(root / "gemma"), seed=1),
+            "gemma3": write_default_checkpoint(GEMMA3, str(root / "gemma3"), seed=1)}
 
     def variant(name, change_index=None, change_config=None, change_tensors=None):
         folder = root / name
@@ -118,7 +134,7 @@ def test_bad_input_is_one_line_exit_2_nothing_published(case, make_args, words, 
     args = make_args(checkpoints)
     if not any(a.startswith("--out=") for a in args):
         args.append(f"--out={out}")
-    code, stdout, stderr = run_main(QWEN, [GEMMA4], args + ["--noverify", "--progress=false"], tmp_path)
+    code, stdout, stderr = run_main(QWEN, args + ["--noverify", "--progress=false"], tmp_path)
     lines = stderr.splitlines()
     assert code == 2, (code, stderr)
     assert len(lines) == 1 and lines[0].startswith("error: ") and lines[0].strip() != "error:", stderr
@@ -130,14 +146,35 @@ def test_bad_input_is_one_line_exit_2_nothing_published(case, make_args, words, 
     assert leftovers <= {"out.partial"}, leftovers  # only a resumable .partial may stay
 
 
-def test_gemma_binary_names_the_qwen_target(checkpoints, tmp_path):
-    code, _, stderr = run_main(GEMMA4, [QWEN], [f"--checkpoint={checkpoints['good']}", f"--out={tmp_path}/o"],
-                               tmp_path)
-    assert code == 2 and stderr.count("\n") == 1 and "//models/qwen:quantize_and_save" in stderr, stderr
+@pytest.mark.parametrize("arch,given,target", [
+    (GEMMA4, "good", "//models/qwen:quantize_and_save"),
+    (GEMMA4, "gemma3", "//models/gemma3:quantize_and_save"),
+    (QWEN, "gemma3", "//models/gemma3:quantize_and_save"),
+    (GEMMA3, "gemma", "//models/gemma4:quantize_and_save"),
+    (GEMMA3, "good", "//models/qwen:quantize_and_save"),
+], ids=lambda v: v if isinstance(v, str) else v.name)
+def test_a_binary_names_the_target_of_another_models_checkpoint(arch, given, target, checkpoints, tmp_path):
+    """Found by the checkpoint's model_type through models/architectures.py's registry, no per-model list."""
+    code, _, stderr = run_main(arch, [f"--checkpoint={checkpoints[given]}", f"--out={tmp_path}/o"], tmp_path)
+    assert code == 2 and stderr.count("\n") == 1 and target in stderr, stderr
+
+
+def test_a_backend_that_cannot_reload_skips_the_default_verification(checkpoints, tmp_path):
+    write_only_backend = _WriteOnly.name
+    out = tmp_path / "out"
+    code, stdout, stderr = run_main(QWEN, [f"--checkpoint={checkpoints['good']}", f"--out={out}",
+                                           f"--backend={write_only_backend}", "--progress=false"], tmp_path)
+    assert code == 0 and "Traceback" not in stderr, stderr
+    assert f"not run (--backend {write_only_backend} cannot read its output back)" in stdout, stdout
+    assert (out / "llmq_manifest.json").is_file()
+    code, _, stderr = run_main(QWEN, [f"--checkpoint={checkpoints['good']}", f"--out={tmp_path}/o2", "--verify",
+                                      f"--backend={write_only_backend}", "--progress=false"], tmp_path)
+    assert code == 2 and stderr.count("\n") == 1 and "cannot read its output back" in stderr, stderr
+    assert not (tmp_path / "o2").exists()
 
 
 def test_help_lists_the_tools_flags_and_exits_0(tmp_path):
-    code, stdout, stderr = run_main(QWEN, [], ["--help"], tmp_path)
+    code, stdout, stderr = run_main(QWEN, ["--help"], tmp_path)
     assert code == 0, stderr
     for flag in ("--checkpoint:", "--recipe:", "--backend:", "--out:", "--[no]verify:", "--[no]verify_warn_only:",
                  "--verify_min_cosine:", "--[no]list_recipes:"):
@@ -158,7 +195,7 @@ def test_real_binary_help_and_bad_flag():
 
 
 def test_list_recipes_prints_descriptions(tmp_path):
-    code, stdout, _ = run_main(QWEN, [], ["--list_recipes"], tmp_path)
+    code, stdout, _ = run_main(QWEN, ["--list_recipes"], tmp_path)
     assert code == 0
     lines = {line.split()[0]: line for line in stdout.splitlines() if line.strip()}
     with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "qwen", "recipes",
@@ -168,7 +205,7 @@ def test_list_recipes_prints_descriptions(tmp_path):
     # each format's bits per weight as the backend writes it: the bundle's float32 scale and bias per
     # group of 32 (4 + 2), an MLX folder's 16-bit pair (4 + 1)
     assert "[bits per weight as --backend bundle writes them: int4 g32 sym 6.00]" in lines["int4"]
-    code, stdout, _ = run_main(QWEN, [], ["--list_recipes", "--backend=mlx"], tmp_path)
+    code, stdout, _ = run_main(QWEN, ["--list_recipes", "--backend=mlx"], tmp_path)
     lines = {line.split()[0]: line for line in stdout.splitlines() if line.strip()}
     assert code == 0 and "int4 g32 sym 5.00]" in lines["int4"] and "int8 g32 sym 9.00, int4 g32 sym 5.00]" in lines["mixed"]
     assert "nvfp4 g16 not written by --backend mlx" in lines["nvfp4"]

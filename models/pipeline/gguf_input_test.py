@@ -30,6 +30,7 @@ from llmq.quant.formats import dequantize_canonical
 from models.gemma4 import keymap as gemma_keymap
 from models.gemma4.gguf_checkpoint import GGUFConverter as GemmaConverter
 from models.gemma4.spec import ARCHITECTURE as GEMMA4
+from models.pipeline import arch as arch_registry
 from models.pipeline.gguf_input import Metadata
 from models.pipeline.quantize_and_save import UsageError, run
 from models.pipeline.quantized_model import build_quantized_model
@@ -346,7 +347,14 @@ def test_requantize_gguf_gives_every_matrix_the_recipes_format(tmp_path):
         assert torch.equal(value.qdata, expected.qdata) and torch.equal(value.scale, expected.scale), name
 
 
-def test_wrong_architecture_is_refused(tmp_path):
+@pytest.fixture
+def registered(monkeypatch):
+    """An empty architecture registry for the test; register(arch) adds one."""
+    monkeypatch.setattr(arch_registry, "_REGISTRY", {})
+    return arch_registry.register_architecture
+
+
+def test_wrong_architecture_is_refused(registered, tmp_path):
     path = tmp_path / "model.gguf"
     _write_gguf(GEMMA4, path)
     with pytest.raises(UsageError, match="general.architecture is 'gemma4'; expected 'qwen35moe'"):
@@ -355,12 +363,14 @@ def test_wrong_architecture_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("arch,other", [(QWEN, GEMMA4), (GEMMA4, QWEN)], ids=lambda a: a.name)
-def test_the_other_models_gguf_names_its_target(arch, other, tmp_path):
+def test_the_other_models_gguf_names_its_target(arch, other, registered, tmp_path):
+    registered(arch)
+    registered(other)
     path = tmp_path / "model.gguf"
     _write_gguf(other, path)
     with pytest.raises(UsageError, match=f"use `bazel run {other.target} "):
         run(arch, checkpoint=str(path), recipe="int4", backend="bundle", out=str(tmp_path / "out"), resume=False,
-            max_shard_size=1 << 20, verify=False, seed=0, progress=False, others=[other])
+            max_shard_size=1 << 20, verify=False, seed=0, progress=False)
     assert not os.path.exists(tmp_path / "out")
 
 

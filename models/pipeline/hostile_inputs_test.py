@@ -55,7 +55,7 @@ def write_gguf(path, arch: str, kv, *, extra=None, tensors=None):
 
 def run_cli(arch, args, tmp_path, timeout=120):
     out = tmp_path / "out"
-    result = run_main(arch, [], list(args) + [f"--out={out}", "--noverify", "--progress=false"], tmp_path,
+    result = run_main(arch, list(args) + [f"--out={out}", "--noverify", "--progress=false"], tmp_path,
                       timeout=timeout)
     return result, out
 
@@ -233,7 +233,7 @@ def test_hostile_tokenizer_skips_the_text_check_with_a_note(case, tmp_path):
     publishing)."""
     path = _qwen_gguf(tmp_path / "m.gguf", BAD_TOKENIZERS[case])
     out = tmp_path / "out"
-    code, stdout, stderr = run_main(QWEN, [], [f"--checkpoint={path}", f"--out={out}", "--verify",
+    code, stdout, stderr = run_main(QWEN, [f"--checkpoint={path}", f"--out={out}", "--verify",
                                               "--progress=false"], tmp_path, timeout=300)
     assert code == 0, stderr[-3000:]
     assert "text check" in stdout and "not run" in stdout, stdout[-3000:]

@@ -24,7 +24,7 @@ import shutil
 import sys
 import tempfile
 import time
-from typing import Dict, Optional, Sequence
+from typing import Dict, Optional
 
 import torch
 
@@ -87,7 +87,7 @@ def _progress(items, total: int, desc: str, enabled: bool):
 def run(arch: Architecture, *, checkpoint: Optional[str], recipe: Optional[str], backend: str, out: Optional[str],
         resume: bool, max_shard_size: int, verify: Optional[bool], seed: int, progress: bool,
         use_moe_op: bool = False, verify_min_cosine: float = 0.9, verify_warn_only: bool = False,
-        others: Sequence[Architecture] = (), error_report: bool = False, calibration_text: Optional[str] = None,
+        error_report: bool = False, calibration_text: Optional[str] = None,
         calibration_tokens: int = 512, budget_bits_per_weight: Optional[float] = None,
         budget_method: str = "hqq", requantize_gguf: bool = False) -> Dict:
     """The whole job; returns the numbers it printed (for tests)."""
@@ -119,9 +119,9 @@ def run(arch: Architecture, *, checkpoint: Optional[str], recipe: Optional[str],
             kind = sources.check_path(arch, checkpoint)
         out = out or _user_path(os.path.join("out", f"{arch.name}-{os.path.basename(recipe_name)}"))
         _check_out(out)
-        source = sources.open_source(arch, checkpoint, kind, others, workdir=workdir)
+        source = sources.open_source(arch, checkpoint, kind, workdir=workdir)
         config = source.config
-        if source.from_gguf and getattr(writer, "needs_tokenizer_files", False):
+        if source.from_gguf and writer.needs_tokenizer_files:
             # the GGUF's tokenizer (tokenizer.ggml.*) as tokenizer.json + tokenizer_config.json
             tokenizer_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix=f"llmq-{arch.name}-tokenizer-"))
             source.tokenizer_files = sources.gguf_tokenizer_files(checkpoint, tokenizer_dir)
@@ -139,8 +139,10 @@ def run(arch: Architecture, *, checkpoint: Optional[str], recipe: Optional[str],
                 names = check_headers(arch, shapes, getattr(config, "num_experts", 0), expected, checkpoint)
         names = names if names is not None else expected.required()
         _check_recipe(quant_recipe, recipe_name, arch, config, expected)
+        if verify and not writer.reloads:
+            raise UsageError(f"--verify: --backend {backend} cannot read its output back (pass --noverify)")
         if verify is None:
-            verify = kind == "embedded" or source.size_bytes < VERIFY_LIMIT_BYTES
+            verify = writer.reloads and (kind == "embedded" or source.size_bytes < VERIFY_LIMIT_BYTES)
         job = _write_job(arch, source, writer.name, out, quant_recipe, recipe_name, max_shard_size, resume, verify)
         # How the backend writes each config: the methods choose scales in its scale dtype, and every
         # bits per weight below (budget, error report, summary) counts what it writes.
@@ -188,7 +190,7 @@ def run(arch: Architecture, *, checkpoint: Optional[str], recipe: Optional[str],
         job = _write_job(arch, source, writer.name, out, quant_recipe, recipe_name, max_shard_size, resume, verify,
                          add_files)
         try:
-            getattr(writer, "check", lambda job: None)(job)
+            writer.check(job)
         except BackendError as e:
             raise UsageError(str(e)) from None
 
@@ -197,7 +199,7 @@ def run(arch: Architecture, *, checkpoint: Optional[str], recipe: Optional[str],
         gguf_notes = []
         # Large tensors travel as row blocks where the writer takes them: peak memory stays a block,
         # not a tensor (quantize_stream reads one whole where importance or the report needs it).
-        row_blocks = getattr(writer, "streams_row_blocks", False)
+        row_blocks = writer.streams_row_blocks
         stream = tally.before(model_stream(gguf_notes, ROW_BLOCK_BYTES if row_blocks else None))
         if writer.takes_float:  # the backend quantizes: it gets float tensors (a GGUF's quantized ones dequantized)
             stream = _as_float(stream)
@@ -233,7 +235,7 @@ def run(arch: Architecture, *, checkpoint: Optional[str], recipe: Optional[str],
             rows.insert(rows.index(("time", f"{seconds:.2f} s")), ("quantized weights", (
                 f"{tally.quantized_bits / tally.quantized_weights:.4f} bits per weight as written "
                 f"({tally.quantized_bits // 8:,} bytes for {tally.quantized_weights:,} weights, scales included)")))
-        rows += getattr(writer, "summary", lambda path, job: [])(written, job)
+        rows += writer.summary(written, job)
         result = {}
         if calibration is not None:
             rows.append(("calibration", f"{calibration.tokens} tokens of {calibration_text}, "
@@ -266,7 +268,8 @@ def run(arch: Architecture, *, checkpoint: Optional[str], recipe: Optional[str],
         elif use_moe_op:
             raise UsageError("--use_moe_quantized_op needs --verify (it checks the op against the eager path)")
         else:
-            rows.append(("verification", "not run (--verify to run it)"))
+            rows.append(("verification", "not run (--verify to run it)" if writer.reloads
+                         else f"not run (--backend {backend} cannot read its output back)"))
         result["verification_failure"] = failure
         output_row = rows.index(("output", written))
         if failure and not verify_warn_only:
@@ -308,9 +311,10 @@ def _write_job(arch: Architecture, source, backend: str, out: str, recipe: Quant
         out=out, recipe=recipe, recipe_name=recipe_name, architecture=arch.name, hf_config=source.hf_config,
         model_config=source.config, num_layers=arch.num_layers(source.config), to_hf=to_hf, from_hf=from_hf,
         source_files=source.source_files, tokenizer_files=source.tokenizer_files,
-        source_kind=source.kind, max_shard_bytes=max_shard_size, resume=resume,
+        source_kind=source.kind, source_path=source.path, max_shard_bytes=max_shard_size, resume=resume,
         metadata={"architecture": arch.name, "backend": backend, "recipe": recipe_name}, verify=verify,
-        add_files=add_files)
+        add_files=add_files, gguf_architecture=arch.gguf_architecture,
+        gguf_names=dict(arch.gguf_import.GGUFConverter.GGUF_TO_HF) if arch.gguf_import is not None else {})
 
 
 def _written_bits(recipe: QuantRecipe, storage):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -25,7 +25,7 @@ from llmq.checkpoint import (
     source_files,
 )
 from models.pipeline import gguf_input
-from models.pipeline.arch import Architecture
+from models.pipeline.arch import Architecture, architecture_for_gguf, architecture_for_model_type
 from models.pipeline.default_model import write_default_checkpoint, write_tiny_tokenizer
 from models.pipeline.usage_error import UsageError
 from models.pipeline.streaming import merge_experts_stream
@@ -98,11 +98,11 @@ def check_path(arch: Architecture, checkpoint: str) -> str:
     return "hf"
 
 
-def open_source(arch: Architecture, checkpoint: str, kind: str, others: Sequence[Architecture] = (),
-                workdir: Optional[str] = None) -> Source:
-    """Read the input's config (GGUF: rebuilt from its metadata) and parse it as `arch`'s."""
+def open_source(arch: Architecture, checkpoint: str, kind: str, workdir: Optional[str] = None) -> Source:
+    """Read the input's config (GGUF: rebuilt from its metadata) and parse it as `arch`'s; a checkpoint
+    another registered architecture reads (by model_type / general.architecture) names its target."""
     if kind == "gguf":
-        _refuse_other_gguf(arch, others, checkpoint)
+        _refuse_other_gguf(arch, checkpoint)
         try:  # config.json's place is taken by the GGUF metadata
             hf_config = gguf_input.hf_config(arch, checkpoint)
         except ValueError as e:
@@ -111,7 +111,7 @@ def open_source(arch: Architecture, checkpoint: str, kind: str, others: Sequence
             raise UsageError(f"{checkpoint}: cannot rebuild a {arch.name} config from its metadata ({e})") from None
     else:
         hf_config = read_hf_config(checkpoint)
-        _refuse_other_config(arch, others, hf_config, checkpoint)
+        _refuse_other_config(arch, hf_config, checkpoint)
     try:
         config = arch.config_from_hf(hf_config)
     except (ValueError, KeyError, NotImplementedError) as e:
@@ -145,21 +145,21 @@ def gguf_tokenizer_files(checkpoint: str, folder: str) -> Tuple[str, ...]:
         raise UsageError(f"--checkpoint {checkpoint}: its tokenizer cannot be rebuilt ({e})") from None
 
 
-def _refuse_other_config(arch: Architecture, others: Sequence[Architecture], hf_config: Dict, checkpoint: str) -> None:
+def _refuse_other_config(arch: Architecture, hf_config: Dict, checkpoint: str) -> None:
     if arch.reads(hf_config):
         return
-    for other in others:
-        if other.reads(hf_config):
-            raise UsageError(f"--checkpoint {checkpoint}: a {other.name} checkpoint (model_type "
-                             f"{hf_config.get('model_type')!r}); this binary quantizes {arch.name}: use "
-                             f"`bazel run {other.target} -- --checkpoint=...`")
+    other = architecture_for_model_type(hf_config.get("model_type"))
+    if other is not None:
+        raise UsageError(f"--checkpoint {checkpoint}: a {other.name} checkpoint (model_type "
+                         f"{hf_config.get('model_type')!r}); this binary quantizes {arch.name}: use "
+                         f"`bazel run {other.target} -- --checkpoint=...`")
 
 
-def _refuse_other_gguf(arch: Architecture, others: Sequence[Architecture], checkpoint: str) -> None:
+def _refuse_other_gguf(arch: Architecture, checkpoint: str) -> None:
     found = read_gguf_metadata(checkpoint).get("general.architecture")
-    if found == arch.gguf_import.GGUF_ARCH:
+    if found == arch.gguf_architecture:
         return
-    for other in others:
-        if other.gguf_import is not None and found == other.gguf_import.GGUF_ARCH:
-            raise UsageError(f"--checkpoint {checkpoint}: a {other.name} GGUF (general.architecture {found!r}); "
-                             f"this binary quantizes {arch.name}: use `bazel run {other.target} -- --checkpoint=...`")
+    other = architecture_for_gguf(found)
+    if other is not None:
+        raise UsageError(f"--checkpoint {checkpoint}: a {other.name} GGUF (general.architecture {found!r}); "
+                         f"this binary quantizes {arch.name}: use `bazel run {other.target} -- --checkpoint=...`")
