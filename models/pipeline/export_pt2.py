@@ -33,7 +33,7 @@ from llmq.checkpoint import CheckpointError, load_bundle
 from llmq.quant import QuantizedEmbedding, QuantizedLinear
 from llmq.quant.modules import dequantize_graph
 from models.common.cache import ModelCache, StaticKVCache
-from models.pipeline import quantize_and_save, sources
+from models.pipeline import inputs, quantize_and_save
 from models.pipeline.arch import Architecture
 from models.pipeline.quantized_model import _StackedQuantized, build_quantized_model
 from models.pipeline.agreement import format_table
@@ -328,7 +328,7 @@ def load_quantized_model(arch: Architecture, *, bundle: Optional[str], checkpoin
     if checkpoint is None:
         hf_config = arch.tiny_hf_config()
     else:
-        hf_config = sources.open_source(arch, checkpoint, sources.check_path(arch, checkpoint)).hf_config
+        hf_config = inputs.open_input(arch, checkpoint, inputs.check_path(arch, checkpoint)).hf_config
     try:
         config = arch.config_from_hf(hf_config)
     except (ValueError, KeyError, NotImplementedError) as e:

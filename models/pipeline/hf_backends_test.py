@@ -175,18 +175,18 @@ def test_row_blocks_write_the_files_of_whole_tensors(arch, backend, recipe, tmp_
     every file of the folder is byte for byte that of whole tensors."""
     from llmq.quant.row_blocks import RowBlocks
     from models.pipeline import run as run_module
-    from models.pipeline import sources
+    from models.pipeline import inputs
 
     recipe_arg = _fp_mixed(tmp_path) if recipe == "fp-mixed" else recipe
     checkpoint = write_default_checkpoint(arch, str(tmp_path / "ckpt"), seed=4)
-    real, seen, folders = sources.iter_checkpoint, [], {}
+    real, seen, folders = inputs.iter_checkpoint, [], {}
 
     def spy(*args, **kwargs):
         for name, value in real(*args, **kwargs):
             seen.append(isinstance(value, RowBlocks))
             yield name, value
 
-    monkeypatch.setattr(sources, "iter_checkpoint", spy)
+    monkeypatch.setattr(inputs, "iter_checkpoint", spy)
     for label, block in (("whole", 1 << 40), ("blocks", 1024)):
         monkeypatch.setattr(run_module, "ROW_BLOCK_BYTES", block)
         folders[label] = _run(arch, tmp_path, backend, recipe_arg, checkpoint=checkpoint, out=label,

@@ -165,21 +165,21 @@ def test_row_blocks_write_the_bytes_of_whole_tensors(arch, recipe, tmp_path, mon
     1 KiB (so every matrix, per-expert ones too, arrives in blocks) the bundle's tensor files
     are byte for byte those of whole tensors, and verification passes."""
     from models.pipeline import run as run_module
-    from models.pipeline import sources
+    from models.pipeline import inputs
     from llmq.quant.row_blocks import RowBlocks
 
     checkpoint = write_default_checkpoint(arch, str(tmp_path / "ckpt"), seed=5)
     monkeypatch.setattr(run_module, "ROW_BLOCK_BYTES", 1 << 40)  # never: every tensor whole
     whole = _run(arch, tmp_path, recipe, out="whole", checkpoint=checkpoint)
     seen = []
-    real = sources.iter_checkpoint
+    real = inputs.iter_checkpoint
 
     def spy(*args, **kwargs):
         for name, value in real(*args, **kwargs):
             seen.append(isinstance(value, RowBlocks))
             yield name, value
 
-    monkeypatch.setattr(sources, "iter_checkpoint", spy)
+    monkeypatch.setattr(inputs, "iter_checkpoint", spy)
     monkeypatch.setattr(run_module, "ROW_BLOCK_BYTES", 1024)
     blocks = _run(arch, tmp_path, recipe, out="blocks", checkpoint=checkpoint)
     assert sum(seen) >= 10  # the write pass's large tensors came as row blocks

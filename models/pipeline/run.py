@@ -35,7 +35,7 @@ from llmq.quant import GroupQuantizedWeight, QuantConfig, QuantRecipe, dequantiz
 from llmq.quant.row_blocks import QuantizedRowBlocks, RowBlocks
 from llmq.quant.formats import get_format, nbytes_of
 from llmq.quant.report import ErrorReport
-from models.pipeline import gguf_input, sources, verify as verification
+from models.pipeline import gguf_input, inputs, verify as verification
 from models.pipeline.calibration import calibrate
 from models.pipeline.size_budget import RECIPE_FILE, choose_recipe
 from models.pipeline.arch import Architecture, quantizable_module
@@ -108,7 +108,7 @@ def run(arch: Architecture, *, checkpoint: Optional[str], recipe: Optional[str],
         if checkpoint is None:
             kind = "embedded"
             workdir = stack.enter_context(tempfile.TemporaryDirectory(prefix=f"llmq-{arch.name}-"))
-            checkpoint = sources.write_embedded(arch, workdir, seed)
+            checkpoint = inputs.write_embedded(arch, workdir, seed)
             if out is None:
                 out = os.path.join(workdir, "out")
                 print(f"[embedded default] output goes to {out}, a temporary folder deleted at exit "
@@ -116,24 +116,24 @@ def run(arch: Architecture, *, checkpoint: Optional[str], recipe: Optional[str],
             else:
                 print(f"[embedded default] output kept at {out}; the temporary checkpoint is deleted at exit")
         else:
-            kind = sources.check_path(arch, checkpoint)
+            kind = inputs.check_path(arch, checkpoint)
         out = out or _user_path(os.path.join("out", f"{arch.name}-{os.path.basename(recipe_name)}"))
         _check_out(out)
-        source = sources.open_source(arch, checkpoint, kind, workdir=workdir)
-        config = source.config
-        if source.from_gguf and writer.needs_tokenizer_files:
+        model_input = inputs.open_input(arch, checkpoint, kind, workdir=workdir)
+        config = model_input.config
+        if model_input.from_gguf and writer.needs_tokenizer_files:
             # the GGUF's tokenizer (tokenizer.ggml.*) as tokenizer.json + tokenizer_config.json
             tokenizer_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix=f"llmq-{arch.name}-tokenizer-"))
-            source.tokenizer_files = sources.gguf_tokenizer_files(checkpoint, tokenizer_dir)
+            model_input.tokenizer_files = inputs.gguf_tokenizer_files(checkpoint, tokenizer_dir)
 
         # The model's parameter list (names and shapes); the checkpoint is checked against it
         # before anything is written (HF headers) and again as it streams (every input).
         expected = expected_tensors(arch, config)
         names = None
-        types = checkpoint_stored_types(checkpoint, key_map=None if source.from_gguf else arch.key_map)
+        types = checkpoint_stored_types(checkpoint, key_map=None if model_input.from_gguf else arch.key_map)
         if types is not None:
             check_stored_types(types, checkpoint)
-        if not source.from_gguf:
+        if not model_input.from_gguf:
             shapes = checkpoint_shapes(checkpoint, key_map=arch.key_map)
             if shapes is not None:
                 names = check_headers(arch, shapes, getattr(config, "num_experts", 0), expected, checkpoint)
@@ -142,23 +142,24 @@ def run(arch: Architecture, *, checkpoint: Optional[str], recipe: Optional[str],
         if verify and not writer.reloads:
             raise UsageError(f"--verify: --backend {backend} cannot read its output back (pass --noverify)")
         if verify is None:
-            verify = writer.reloads and (kind == "embedded" or source.size_bytes < VERIFY_LIMIT_BYTES)
-        job = _write_job(arch, source, writer.name, out, quant_recipe, recipe_name, max_shard_size, resume, verify)
+            verify = writer.reloads and (kind == "embedded" or model_input.size_bytes < VERIFY_LIMIT_BYTES)
+        job = _write_job(arch, model_input, writer.name, out, quant_recipe, recipe_name, max_shard_size, resume,
+                         verify)
         # How the backend writes each config: the methods choose scales in its scale dtype, and every
         # bits per weight below (budget, error report, summary) counts what it writes.
         storage = storage_of(writer, job)
         quant_recipe = with_scale_dtypes(quant_recipe, storage)
 
         def model_stream(notes=None, chunk_bytes=None):
-            stream = checked_stream(source.stream(notes, chunk_bytes), expected, checkpoint)
+            stream = checked_stream(model_input.stream(notes, chunk_bytes), expected, checkpoint)
             # requantize_gguf: the GGUF's quantized tensors, dequantized exactly, go to the recipe like float ones
-            return _as_float(stream) if requantize_gguf and source.from_gguf else stream
+            return _as_float(stream) if requantize_gguf and model_input.from_gguf else stream
 
         calibration = None
         if calibration_text is not None:
             print(f"calibration: running the unquantized model on up to {calibration_tokens} tokens of "
                   f"{calibration_text}", flush=True)
-            calibration = calibrate(arch, config, source, model_stream, calibration_text, calibration_tokens)
+            calibration = calibrate(arch, config, model_input, model_stream, calibration_text, calibration_tokens)
         recipe_label = recipe_name
         budget = None
         if budget_bits_per_weight is not None:
@@ -187,8 +188,8 @@ def run(arch: Architecture, *, checkpoint: Optional[str], recipe: Optional[str],
             if report is not None:
                 _named(folder, lambda: report.write(folder))
 
-        job = _write_job(arch, source, writer.name, out, quant_recipe, recipe_name, max_shard_size, resume, verify,
-                         add_files)
+        job = _write_job(arch, model_input, writer.name, out, quant_recipe, recipe_name, max_shard_size, resume,
+                         verify, add_files)
         try:
             writer.check(job)
         except BackendError as e:
@@ -251,7 +252,7 @@ def run(arch: Architecture, *, checkpoint: Optional[str], recipe: Optional[str],
             result["error_report"] = report
         elif error_report:
             rows.append(("error report", f"not made: --backend {backend} quantizes by itself"))
-        if source.from_gguf:
+        if model_input.from_gguf:
             rows.insert(1, ("input", f"GGUF {checkpoint}"))
         if tally.quantized_weights:  # the quantized weights as the backend wrote them
             result.update(bits_per_weight=tally.quantized_bits / tally.quantized_weights,
@@ -261,7 +262,7 @@ def run(arch: Architecture, *, checkpoint: Optional[str], recipe: Optional[str],
         failure = None
         if verify:
             check_rows, check, failure = verification.verify(
-                arch, config, source, writer, job, written, lambda: model_stream(), seed=seed,
+                arch, config, model_input, writer, job, written, lambda: model_stream(), seed=seed,
                 min_cosine=verify_min_cosine, use_moe_op=use_moe_op)
             rows += check_rows
             result.update(check)
@@ -299,7 +300,7 @@ def _refuse_ignored_flags(writer, checkpoint: Optional[str], *, calibration_text
                          "drop the flag or pick a backend llmq quantizes for (e.g. bundle)")
 
 
-def _write_job(arch: Architecture, source, backend: str, out: str, recipe: QuantRecipe, recipe_name: str,
+def _write_job(arch: Architecture, model_input, backend: str, out: str, recipe: QuantRecipe, recipe_name: str,
                max_shard_size: int, resume: bool, verify: bool, add_files=None) -> WriteJob:
     def to_hf(name, value):
         return arch.to_hf_tensors(name, value)
@@ -308,10 +309,10 @@ def _write_job(arch: Architecture, source, backend: str, out: str, recipe: Quant
         return arch.merge_experts(tensors) if arch.merge_experts is not None else tensors
 
     return WriteJob(
-        out=out, recipe=recipe, recipe_name=recipe_name, architecture=arch.name, hf_config=source.hf_config,
-        model_config=source.config, num_layers=arch.num_layers(source.config), to_hf=to_hf, from_hf=from_hf,
-        source_files=source.source_files, tokenizer_files=source.tokenizer_files,
-        source_kind=source.kind, source_path=source.path, max_shard_bytes=max_shard_size, resume=resume,
+        out=out, recipe=recipe, recipe_name=recipe_name, architecture=arch.name, hf_config=model_input.hf_config,
+        model_config=model_input.config, num_layers=arch.num_layers(model_input.config), to_hf=to_hf, from_hf=from_hf,
+        source_files=model_input.source_files, tokenizer_files=model_input.tokenizer_files,
+        source_kind=model_input.kind, source_path=model_input.path, max_shard_bytes=max_shard_size, resume=resume,
         metadata={"architecture": arch.name, "backend": backend, "recipe": recipe_name}, verify=verify,
         add_files=add_files, gguf_architecture=arch.gguf_architecture,
         gguf_names=dict(arch.gguf_import.GGUFConverter.GGUF_TO_HF) if arch.gguf_import is not None else {})

@@ -24,12 +24,12 @@ def step(message: str) -> None:
     print(message, flush=True)
 
 
-def verify(arch: Architecture, config, source, backend, job, path: str, reference_stream: Callable, *, seed: int,
+def verify(arch: Architecture, config, model_input, backend, job, path: str, reference_stream: Callable, *, seed: int,
            min_cosine: float, use_moe_op: bool) -> Tuple[List[Tuple[str, str]], Dict, Optional[str]]:
     """(summary rows, numbers, failure or None)."""
-    step(f"verify: loading the unquantized reference model from {source.path}")
+    step(f"verify: loading the unquantized reference model from {model_input.path}")
     reference = build_quantized_model(arch.build_model(config, device="meta"), dict(reference_stream()))
-    if source.from_gguf:
+    if model_input.from_gguf:
         print("verification reference: the GGUF model, its quantized weights dequantized")
     step(f"verify: reloading {path}")
     reloaded = backend.reload(path, job)
@@ -44,12 +44,12 @@ def verify(arch: Architecture, config, source, backend, job, path: str, referenc
         ("greedy (quantized)", " ".join(map(str, check["tokens_quantized"]))),
     ]
     failure = verdict(check, min_cosine=min_cosine)
-    if source.kind != "embedded" and has_tokenizer(source.path):
-        tokenizer, skipped = _text_check_tokenizer(source.path, config.vocab_size)
+    if model_input.kind != "embedded" and has_tokenizer(model_input.path):
+        tokenizer, skipped = _text_check_tokenizer(model_input.path, config.vocab_size)
         if skipped:
             rows.append(("text check", f"not run: {skipped}"))
         else:
-            step(f"verify: the source's tokenizer turns {DEFAULT_PROMPT!r} into ids; greedy text from both models")
+            step(f"verify: the input's tokenizer turns {DEFAULT_PROMPT!r} into ids; greedy text from both models")
             text = text_agreement(tokenizer, reference, quantized)
             result["text"] = text
             rows += text_rows(text)
@@ -82,7 +82,7 @@ def verify(arch: Architecture, config, source, backend, job, path: str, referenc
 
 
 def _text_check_tokenizer(path: str, vocab_size: int):
-    """(the source's tokenizer, None), or (None, why the text check is skipped): a tokenizer that
+    """(the input's tokenizer, None), or (None, why the text check is skipped): a tokenizer that
     cannot be built (e.g. hostile GGUF tokenizer metadata) or that gives ids outside the model."""
     try:
         tokenizer = load_tokenizer(path)

@@ -1,8 +1,8 @@
 """Where the pipeline's tensors come from: an HF checkpoint folder, a llama.cpp .gguf file, or the
 embedded default (a tiny deterministic model written to a temporary folder).
 
-`open_source` checks the input (one UsageError line naming it), reads its config, and returns a
-`Source`: the HF config dict, the model's parsed config, the files to carry along, and a fresh
+`open_input` checks the input (one UsageError line naming it), reads its config, and returns a
+`ModelInput`: the HF config dict, the model's parsed config, the files to carry along, and a fresh
 model-layout stream on each `stream()` call (renamed, experts stacked; not yet checked).
 """
 
@@ -33,7 +33,9 @@ from models.pipeline.streaming import merge_experts_stream
 
 
 @dataclasses.dataclass
-class Source:
+class ModelInput:
+    """One input of a run: its kind and path, its configs, the files it carries and its tensors (stream())."""
+
     arch: Architecture
     kind: str  # "hf" | "gguf" | "embedded"
     path: str  # the checkpoint folder or .gguf file
@@ -98,7 +100,7 @@ def check_path(arch: Architecture, checkpoint: str) -> str:
     return "hf"
 
 
-def open_source(arch: Architecture, checkpoint: str, kind: str, workdir: Optional[str] = None) -> Source:
+def open_input(arch: Architecture, checkpoint: str, kind: str, workdir: Optional[str] = None) -> ModelInput:
     """Read the input's config (GGUF: rebuilt from its metadata) and parse it as `arch`'s; a checkpoint
     another registered architecture reads (by model_type / general.architecture) names its target."""
     if kind == "gguf":
@@ -115,8 +117,8 @@ def open_source(arch: Architecture, checkpoint: str, kind: str, workdir: Optiona
     try:
         config = arch.config_from_hf(hf_config)
     except (ValueError, KeyError, NotImplementedError) as e:
-        source = checkpoint if kind == "gguf" else f"{checkpoint}/config.json"
-        raise UsageError(f"{source}: not a supported {arch.name} config ({e})") from None
+        where = checkpoint if kind == "gguf" else f"{checkpoint}/config.json"
+        raise UsageError(f"{where}: not a supported {arch.name} config ({e})") from None
     if kind == "gguf":
         carried, tokenizer, size = (), (), os.path.getsize(checkpoint)
     else:
@@ -128,7 +130,7 @@ def open_source(arch: Architecture, checkpoint: str, kind: str, workdir: Optiona
             # A random tiny model has no tokenizer: an offline byte-level one, outside the checkpoint folder
             # (so the bundle carries exactly what the checkpoint holds).
             tokenizer = tuple(write_tiny_tokenizer(os.path.join(workdir, "tokenizer"), config.vocab_size))
-    return Source(arch=arch, kind=kind, path=checkpoint, hf_config=hf_config, config=config, source_files=carried,
+    return ModelInput(arch=arch, kind=kind, path=checkpoint, hf_config=hf_config, config=config, source_files=carried,
                   tokenizer_files=tokenizer, size_bytes=size)
 
 
