@@ -2,13 +2,13 @@
 llmq_tool: a runnable module and the library its tests import (used here and by model BUILD files).
 
 A model package holds its module code (config.py, model.py, keymap.py, ...), gguf_checkpoint.py,
-spec.py (the spec: `ARCHITECTURE`), quantize_and_save.py, recipes/*.json, and the standard tests
+architecture.py (`ARCHITECTURE`, the models.pipeline.arch.Architecture), quantize_and_save.py, recipes/*.json, and the standard tests
 model_test.py (parity with transformers) and keymap_test.py. The macro declares:
 
   :model              py_library   the module code (every *.py but the files below and tests)
   :gguf_checkpoint    py_library   gguf_checkpoint.py (--checkpoint=model.gguf), where the package has one
   :mlx_export         py_library   mlx_export.py            (mlx_export = True)
-  :spec               py_library   spec.py + recipes/*.json
+  :architecture       py_library   architecture.py + recipes/*.json
   :quantize_and_save  py_binary    the main job (over //models:architectures: another model's checkpoint
                                    given to it names that model's target)
   :export, :export_lib, :export_pte                           (export = True: export.py, export_pte.py)
@@ -31,8 +31,8 @@ def llmq_tool(name, deps, srcs = None, binary_deps = []):
         deps = [":" + name + "_lib"] + binary_deps,
     )
 
-_SPEC_FILES = ["export.py", "export_pte.py", "gguf_checkpoint.py", "mlx_export.py", "param_count.py",
-               "quantize_and_save.py", "spec.py"]
+_PACKAGE_FILES = ["architecture.py", "export.py", "export_pte.py", "gguf_checkpoint.py", "mlx_export.py",
+                  "param_count.py", "quantize_and_save.py"]
 
 def llmq_model(
         model_deps = [],
@@ -55,16 +55,16 @@ def llmq_model(
       export_deps: extra deps of the export targets (another model's :export_lib whose cache layout it reuses,
         or what only some flag imports).
       param_count: the package has param_count.py and param_count_test.py.
-      tests: further test files (names without .py) depending on :spec.
+      tests: further test files (names without .py) depending on :architecture.
       exclude: further *.py files that are not module code (binaries declared in the BUILD file).
     """
     native.py_library(
         name = "model",
-        srcs = native.glob(["*.py"], exclude = ["*_test.py"] + _SPEC_FILES + exclude),
+        srcs = native.glob(["*.py"], exclude = ["*_test.py"] + _PACKAGE_FILES + exclude),
         data = native.glob(["configs/*.json"]),
         deps = ["//models:init", "//models/common"] + model_deps,
     )
-    spec_deps = [":model", "//models/pipeline"]
+    architecture_deps = [":model", "//models/pipeline"]
     if gguf_import == None:
         gguf_import = len(native.glob(["gguf_checkpoint.py"], allow_empty = True)) > 0
     if gguf_import:
@@ -73,28 +73,28 @@ def llmq_model(
             srcs = ["gguf_checkpoint.py"],
             deps = [":model", "//models/pipeline", "//python/llmq/quant"] + gguf_deps,
         )
-        spec_deps.append(":gguf_checkpoint")
+        architecture_deps.append(":gguf_checkpoint")
     if mlx_export:
         native.py_library(
             name = "mlx_export",
             srcs = ["mlx_export.py"],
             deps = [":model", "//python/llmq/quant"],
         )
-        spec_deps.append(":mlx_export")
+        architecture_deps.append(":mlx_export")
     native.py_library(
-        name = "spec",
-        srcs = ["spec.py"],
+        name = "architecture",
+        srcs = ["architecture.py"],
         data = native.glob(["recipes/*.json"]),
-        deps = spec_deps,
+        deps = architecture_deps,
     )
     native.py_binary(
         name = "quantize_and_save",
         srcs = ["quantize_and_save.py"],
         python_version = "PY3",
-        deps = [":spec", "//models:architectures"],
+        deps = [":architecture", "//models:architectures"],
     )
     if export:
-        llmq_tool(name = "export", deps = [":model", ":spec", "//models/pipeline"] + export_deps)
+        llmq_tool(name = "export", deps = [":model", ":architecture", "//models/pipeline"] + export_deps)
         native.py_binary(
             name = "export_pte",
             srcs = ["export_pte.py"],
@@ -117,5 +117,5 @@ def llmq_model(
             name = test,
             srcs = [test + ".py"],
             size = "medium",
-            deps = [":spec"],
+            deps = [":architecture"],
         )

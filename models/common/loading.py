@@ -3,7 +3,7 @@
 Tensors are read with ``llmq.checkpoint.iter_checkpoint`` (validated headers, errors naming file
 and tensor) and renamed by the model's key map; the model then merges per-expert tensors
 (``merge``), the names and shapes are checked against the model, and the tensors are assigned.
-Everything architecture-specific lives in the model's spec (``models/<m>/spec.py``'s
+Everything architecture-specific lives in the model's Architecture (``models/<m>/architecture.py``'s
 ``ARCHITECTURE``): its config reader, module builder, key map and expert merge; ``load_model`` is
 the one loader every model uses.
 """
@@ -83,14 +83,14 @@ def load_hf_checkpoint(
     return model
 
 
-def load_model(spec, path: str | os.PathLike, device: str = "cpu", dtype: torch.dtype = torch.float32):
-    """config.json -> ``spec.config_from_hf`` -> ``spec.build_model`` on the meta device -> the checkpoint's
-    tensors (``spec.key_map``, ``spec.merge_experts``) assigned, then moved to ``device``. With tied
+def load_model(arch, path: str | os.PathLike, device: str = "cpu", dtype: torch.dtype = torch.float32):
+    """config.json -> ``arch.config_from_hf`` -> ``arch.build_model`` on the meta device -> the checkpoint's
+    tensors (``arch.key_map``, ``arch.merge_experts``) assigned, then moved to ``device``. With tied
     embeddings a stored lm_head.weight is optional."""
-    config = spec.config_from_hf(read_config(path))
-    model = spec.build_model(config, device="meta", dtype=dtype)
+    config = arch.config_from_hf(read_config(path))
+    model = arch.build_model(config, device="meta", dtype=dtype)
     tied = bool(getattr(config, "tie_word_embeddings", False))
-    model = load_hf_checkpoint(model, path, key_map=spec.key_map, merge=spec.merge_experts,
+    model = load_hf_checkpoint(model, path, key_map=arch.key_map, merge=arch.merge_experts,
                                optional=lambda n: tied and n == "lm_head.weight")
     return model.to(device)
 

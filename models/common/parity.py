@@ -46,23 +46,23 @@ def assert_logits_match(name: str, expected: Sequence[torch.Tensor], actual: Seq
 
 
 # The test bodies every model's model_test / keymap_test / param_count_test shares, driven by the model's
-# spec (models/<m>/spec.py's ARCHITECTURE) and a transformers model saved to `folder`.
+# Architecture (models/<m>/architecture.py's ARCHITECTURE) and a transformers model saved to `folder`.
 
-def check_prefill_and_decode(spec, folder, hf, vocab: int, rel_tol: float = FP32_REL_TOL, prompt_len: int = 11, steps: int = 8):
+def check_prefill_and_decode(arch, folder, hf, vocab: int, rel_tol: float = FP32_REL_TOL, prompt_len: int = 11, steps: int = 8):
     """Prefill a random [2, prompt_len] prompt, then `steps` greedy decode steps: logits within rel_tol."""
     from models.common.loading import load_model
 
-    ours = load_model(spec, folder, device="cpu").eval()
+    ours = load_model(arch, folder, device="cpu").eval()
     prompt = torch.randint(0, vocab, (2, prompt_len), generator=torch.Generator().manual_seed(1))
-    assert_logits_match(spec.name, hf_logits(hf, prompt, steps), llmq_logits(ours, prompt, steps), rel_tol)
+    assert_logits_match(arch.name, hf_logits(hf, prompt, steps), llmq_logits(ours, prompt, steps), rel_tol)
 
 
-def check_greedy_generate(spec, folder, hf, prompt: List[int], new_tokens: int = 6) -> None:
+def check_greedy_generate(arch, folder, hf, prompt: List[int], new_tokens: int = 6) -> None:
     """models.common.generation.generate equals transformers' greedy generate token for token."""
     from models.common.generation import generate
     from models.common.loading import load_model
 
-    ours = load_model(spec, folder, device="cpu").eval()
+    ours = load_model(arch, folder, device="cpu").eval()
     ids = torch.tensor([prompt])
     with torch.no_grad():
         expected = hf.generate(ids, max_new_tokens=new_tokens, do_sample=False)
@@ -70,7 +70,7 @@ def check_greedy_generate(spec, folder, hf, prompt: List[int], new_tokens: int =
                        expected)
 
 
-def check_multimodal_layout_loads_the_same(spec, folder, target, model_type: str, extra_tensors, tensors=None):
+def check_multimodal_layout_loads_the_same(arch, folder, target, model_type: str, extra_tensors, tensors=None):
     """The text checkpoint in `folder` rewritten in the multimodal layout (``model.language_model.`` prefix,
     `extra_tensors` of the towers to skip, config under ``text_config``) in `target` loads to the same state.
     `tensors`: the text tensors to write (default: folder's model.safetensors)."""
@@ -90,20 +90,20 @@ def check_multimodal_layout_loads_the_same(spec, folder, target, model_type: str
         text = json.load(f)
     with open(os.path.join(target, "config.json"), "w") as f:
         json.dump({"model_type": model_type, "text_config": text}, f)
-    a, b = load_model(spec, folder).state_dict(), load_model(spec, target).state_dict()
+    a, b = load_model(arch, folder).state_dict(), load_model(arch, target).state_dict()
     assert a.keys() == b.keys()
     for name in a:
         assert torch.equal(a[name], b[name]), name
 
 
-def check_gguf_names_round_trip(spec, anchors) -> None:
-    """On the spec's embedded-default model (meta device): HF name -> GGUF name (the spec's GGUF table) ->
+def check_gguf_names_round_trip(arch, anchors) -> None:
+    """On the architecture's embedded-default model (meta device): HF name -> GGUF name (its GGUF table) ->
     HF name is the identity on every tensor, every GGUF name is distinct, and each of `anchors`
     ({GGUF name: HF name}, facts from llama.cpp's files) is in the table."""
     import re
 
-    table = spec.gguf_import.GGUFConverter.GGUF_TO_HF
-    model = spec.build_model(spec.config_from_hf(spec.tiny_hf_config()), device="meta")
+    table = arch.gguf_import.GGUFConverter.GGUF_TO_HF
+    model = arch.build_model(arch.config_from_hf(arch.tiny_hf_config()), device="meta")
     for gguf_name, hf_name in anchors.items():
         assert table.get(gguf_name) == hf_name, (gguf_name, table.get(gguf_name), hf_name)
 

@@ -4,7 +4,7 @@ torch.export of the quantized Gemma 3 (text)'s prefill and decode steps (models/
 Gemma 3 runs Gemma 4's modules, so its cache is Gemma 4's (models/gemma4/export.py).
 """
 
-from models.gemma3.spec import ARCHITECTURE
+from models.gemma3.architecture import ARCHITECTURE
 from models.gemma4.export import DYNAMIC_PROMPT, cache_layout
 from models.pipeline import export_pt2
 

@@ -5,7 +5,7 @@ The cache layout is the .pt2 export's (models/gemma3/export.py).
 """
 
 from models.gemma3.export import DYNAMIC_PROMPT, cache_layout
-from models.gemma3.spec import ARCHITECTURE
+from models.gemma3.architecture import ARCHITECTURE
 from models.pipeline import export_pte
 
 if __name__ == "__main__":

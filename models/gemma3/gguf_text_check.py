@@ -27,7 +27,7 @@ from llmq.quant.formats import dequantize_canonical
 from models.common.text_check import text_agreement, text_rows
 from models.common.tokenizer import load_tokenizer, write_tokenizer_files
 from models.gemma3.config import ModelConfig
-from models.gemma3.spec import ARCHITECTURE
+from models.gemma3.architecture import ARCHITECTURE
 from models.pipeline import gguf_input
 from models.pipeline.hf_checkpoint import write_hf_checkpoint
 from models.pipeline.quantized_model import build_quantized_model

@@ -2,7 +2,7 @@
 
 from models.common.parity import check_gguf_names_round_trip
 from models.gemma3 import keymap
-from models.gemma3.spec import ARCHITECTURE
+from models.gemma3.architecture import ARCHITECTURE
 
 
 def test_gguf_names_cover_the_model():

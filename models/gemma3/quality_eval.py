@@ -218,7 +218,7 @@ def main(argv=None) -> int:
     from llmq.quant import GroupQuantizedWeight
     from llmq.quant.formats import dequantize_canonical
     from models.gemma3.config import ModelConfig
-    from models.gemma3.spec import ARCHITECTURE
+    from models.gemma3.architecture import ARCHITECTURE
     from models.pipeline import gguf_input
     from models.pipeline.quantized_model import build_quantized_model
 

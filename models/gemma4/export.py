@@ -5,7 +5,7 @@ The cache is export_pt2's `AttentionKVCacheLayout`: keys/values [1, H_kv, max_se
 layer, indexed by absolute position. The prefill takes a dynamic prompt length.
 """
 
-from models.gemma4.spec import ARCHITECTURE
+from models.gemma4.architecture import ARCHITECTURE
 from models.pipeline import export_pt2
 from models.pipeline.export_pt2 import AttentionKVCacheLayout
 

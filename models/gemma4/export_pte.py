@@ -5,7 +5,7 @@ The cache layout is the .pt2 export's (models/gemma4/export.py).
 """
 
 from models.gemma4.export import DYNAMIC_PROMPT, cache_layout
-from models.gemma4.spec import ARCHITECTURE
+from models.gemma4.architecture import ARCHITECTURE
 from models.pipeline import export_pte
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Gemma 4's GGUF name table (from gguf-py's GEMMA4 table) covers every model tensor, one name each."""
 
 from models.common.parity import check_gguf_names_round_trip
-from models.gemma4.spec import ARCHITECTURE
+from models.gemma4.architecture import ARCHITECTURE
 
 
 def test_gguf_names_cover_the_model():

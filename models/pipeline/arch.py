@@ -2,7 +2,7 @@
 registry that finds an architecture by the checkpoint it is given.
 
 Each model package (models/qwen, models/gemma4, models/gemma3) fills an `Architecture` in its
-spec.py (`package_architecture`, which checks the package's conventional parts with one message
+architecture.py (`package_architecture`, which checks the package's conventional parts with one message
 each); models/architectures.py registers every one (`register_architecture`), and
 `architecture_for_model_type` / `architecture_for_gguf` find the one that reads a config.json
 `model_type` or a GGUF `general.architecture`. The pipeline code never names a model.

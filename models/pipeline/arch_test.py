@@ -37,7 +37,7 @@ def _parts(**drop):
 @pytest.fixture
 def toy_package(tmp_path):
     (tmp_path / "toy" / "recipes").mkdir(parents=True)
-    return str(tmp_path / "toy" / "spec.py")
+    return str(tmp_path / "toy" / "architecture.py")
 
 
 @pytest.fixture
@@ -77,7 +77,7 @@ def test_model_types_must_be_a_tuple(toy_package):
 def test_a_package_without_recipes_is_named(tmp_path):
     (tmp_path / "bare").mkdir()
     with pytest.raises(ModelPackageError, match=r"models/bare: no recipes/ folder"):
-        package_architecture("bare", str(tmp_path / "bare" / "spec.py"), tiny_hf_config=dict, **_parts())
+        package_architecture("bare", str(tmp_path / "bare" / "architecture.py"), tiny_hf_config=dict, **_parts())
 
 
 def test_the_registry_finds_a_checkpoint_by_model_type_and_gguf_architecture(toy_package, empty_registry):

@@ -38,7 +38,7 @@ _CHILD = r"""
 import json, os, resource, sys, time
 arch_name, mode, ckpt, out, recipe, config_json = sys.argv[1:7]
 import importlib
-arch = importlib.import_module(f"models.{arch_name}.spec").ARCHITECTURE
+arch = importlib.import_module(f"models.{arch_name}.architecture").ARCHITECTURE
 from models.pipeline.quantize_and_save import run
 from models.pipeline.default_model import write_default_checkpoint
 if mode == "write":
@@ -67,7 +67,7 @@ def _size(folder: str) -> int:
 def _config(arch_name: str, layers: int):
     import importlib
 
-    arch = importlib.import_module(f"models.{arch_name}.spec").ARCHITECTURE
+    arch = importlib.import_module(f"models.{arch_name}.architecture").ARCHITECTURE
     config = dict(arch.tiny_hf_config())
     if layers:
         config.update(MID_SIZE[arch_name], num_hidden_layers=layers)

@@ -75,7 +75,7 @@ def _greedy(prefill, decode, ids, new_tokens: int, eos) -> list:
 
 def bench(arch_name: str, *, checkpoint, recipe, prompt_len: int, decode_tokens: int, max_seq_len: int, repeat: int,
           out, reuse_pte: bool = False, text: str = "", text_tokens: int = 24) -> list:
-    arch = importlib.import_module(f"models.{arch_name}.spec").ARCHITECTURE
+    arch = importlib.import_module(f"models.{arch_name}.architecture").ARCHITECTURE
     export = importlib.import_module(f"models.{arch_name}.export")
     if prompt_len + decode_tokens > max_seq_len:
         raise SystemExit(f"--prompt_len {prompt_len} + --decode_steps {decode_tokens} exceeds --max_seq_len {max_seq_len}")

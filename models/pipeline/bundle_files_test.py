@@ -11,7 +11,7 @@ from llmq.checkpoint import load_bundle, read_manifest
 from models.pipeline.default_model import write_default_checkpoint
 from models.pipeline.quantized_model import build_quantized_model
 from models.pipeline.quantize_and_save import run
-from models.qwen.spec import ARCHITECTURE as QWEN
+from models.qwen.architecture import ARCHITECTURE as QWEN
 
 
 def test_the_bundle_carries_config_and_tokenizer_files(tmp_path):

@@ -228,21 +228,21 @@ def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_gemma_pte_prefill_and_decode(tmp_path, model):
     import importlib
 
-    spec, export = (importlib.import_module(f"models.{model}.{part}") for part in ("spec", "export"))
-    result, scale, _, steps = _model_case(spec, export, tmp_path)
-    _check_vs_eager(result, scale, steps, tmp_path, spec, export)
+    architecture, export = (importlib.import_module(f"models.{model}.{part}") for part in ("architecture", "export"))
+    result, scale, _, steps = _model_case(architecture, export, tmp_path)
+    _check_vs_eager(result, scale, steps, tmp_path, architecture, export)
 
 
 def test_qwen_pte_prefill_and_decode(tmp_path):
     # the experts run llmq's MoE kernel inside the .pte (every MoE layer, both methods); the rest as for Gemma
     from models.qwen import export as qwen_export
-    from models.qwen import spec as qwen_spec
+    from models.qwen import architecture as qwen_architecture
 
-    result, scale, _, steps = _model_case(qwen_spec, qwen_export, tmp_path)
+    result, scale, _, steps = _model_case(qwen_architecture, qwen_export, tmp_path)
     assert result["counts"]["moe_op_blocks"] > 0 and result["counts"]["expert_blocks"] == 0
     assert result["op_calls"] == {"prefill": result["counts"]["moe_op_blocks"],
                                   "decode": result["counts"]["moe_op_blocks"]}
-    _check_vs_eager(result, scale, steps, tmp_path, qwen_spec, qwen_export)
+    _check_vs_eager(result, scale, steps, tmp_path, qwen_architecture, qwen_export)
 
 
 def test_moe_block_pte_equals_the_torch_op(tmp_path):

@@ -15,7 +15,7 @@ from llmq.quant.formats.fp8 import FP8Weight
 from llmq.quant.formats.nvfp4 import NVFP4Weight
 from models.pipeline.default_model import write_default_checkpoint
 from models.pipeline.quantize_and_save import UsageError, model_tensors, run
-from models.qwen.spec import ARCHITECTURE as QWEN
+from models.qwen.architecture import ARCHITECTURE as QWEN
 
 KEEP = [  # what the int4 preset keeps in high precision (norms, convs, router, embeddings)
     {"pattern": "(.*\\.)?(embed_tokens|lm_head)", "config": None},
@@ -71,7 +71,7 @@ def test_backends_without_fp_refuse_before_any_work(tmp_path, backend):
 def test_cli_refusal_is_one_line_exit_2(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     main = ("from models.pipeline.quantize_and_save import main_for; "  # what models/qwen/quantize_and_save.py runs
-            "from models.qwen.spec import ARCHITECTURE; main_for(ARCHITECTURE)")
+            "from models.qwen.architecture import ARCHITECTURE; main_for(ARCHITECTURE)")
     proc = subprocess.run([sys.executable, "-c", main, "--backend=mlx",
                            f"--recipe={recipe_file(tmp_path, 'fp8')}", f"--out={tmp_path / 'out'}"],
                           capture_output=True, text=True, env=env, timeout=120)

@@ -18,11 +18,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llmq.checkpoint.testing_util import time_limit
-from models.gemma3.spec import ARCHITECTURE as GEMMA3
-from models.gemma4.spec import ARCHITECTURE as GEMMA4
+from models.gemma3.architecture import ARCHITECTURE as GEMMA3
+from models.gemma4.architecture import ARCHITECTURE as GEMMA4
 from models.pipeline.checks import expected_tensors
 from models.pipeline.gguf_input import GGUFTensors
-from models.qwen.spec import ARCHITECTURE as QWEN
+from models.qwen.architecture import ARCHITECTURE as QWEN
 
 ALARM_S = 20.0
 _FUZZ = settings(derandomize=True, database=None, deadline=None, print_blob=False,

@@ -14,10 +14,10 @@ import torch
 from llmq.export import dequantize_exported_tensors, make_spec
 from llmq.quant import PRESETS, QuantConfig, dequantize, load_recipe, quantize_weight
 from llmq_hf.backend import read_folder
-from models.gemma4.spec import ARCHITECTURE as GEMMA4
+from models.gemma4.architecture import ARCHITECTURE as GEMMA4
 from models.pipeline.default_model import write_default_checkpoint
 from models.pipeline.quantize_and_save import UsageError, model_tensors, run
-from models.qwen.spec import ARCHITECTURE as QWEN
+from models.qwen.architecture import ARCHITECTURE as QWEN
 
 # NVFP4 experts, FP8 (per channel) attention and first/last layers, MXFP8 elsewhere.
 FP_MIXED = {"name": "fp-mixed", "rules": [
@@ -145,7 +145,7 @@ def test_a_run_leaves_the_global_presets_alone(tmp_path):
 def _cli(tmp_path, *args):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     main = ("from models.pipeline.quantize_and_save import main_for; "  # what models/gemma4/quantize_and_save.py runs
-            "from models.gemma4.spec import ARCHITECTURE; main_for(ARCHITECTURE)")
+            "from models.gemma4.architecture import ARCHITECTURE; main_for(ARCHITECTURE)")
     return subprocess.run([sys.executable, "-c", main, *args], capture_output=True, text=True, env=env, timeout=300)
 
 

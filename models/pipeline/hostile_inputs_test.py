@@ -10,9 +10,9 @@ import gguf
 import numpy as np
 import pytest
 
-from models.gemma3.spec import ARCHITECTURE as GEMMA3
+from models.gemma3.architecture import ARCHITECTURE as GEMMA3
 from models.pipeline.cli_testing import assert_one_line_exit_2, run_main
-from models.qwen.spec import ARCHITECTURE as QWEN
+from models.qwen.architecture import ARCHITECTURE as QWEN
 
 T = gguf.GGUFValueType
 

@@ -13,13 +13,13 @@ import torch
 
 from llmq.quant import GroupQuantizedWeight, QuantConfig, quantize_stream, quantize_weight
 from llmq.quant.formats import dequantize_canonical
-from models.gemma4.spec import ARCHITECTURE as GEMMA4
+from models.gemma4.architecture import ARCHITECTURE as GEMMA4
 from models.pipeline.arch import quantizable_module
 from models.pipeline.default_model import write_default_checkpoint, write_tiny_tokenizer
 from models.pipeline.quantized_model import build_quantized_model
 from models.pipeline.agreement import verification_prompt
 from models.pipeline.quantize_and_save import _read_hf_config, model_tensors, run
-from models.qwen.spec import ARCHITECTURE as QWEN
+from models.qwen.architecture import ARCHITECTURE as QWEN
 
 mx = pytest.importorskip("mlx.core", reason="the MLX runtime (mlx, or mlx[cpu] on Linux) is not installed here")
 pytest.importorskip("mlx_lm", reason="mlx-lm is not installed here")

@@ -11,11 +11,11 @@ import torch
 
 from llmq.checkpoint import load_bundle
 from llmq.quant import GroupQuantizedWeight
-from models.gemma3.spec import ARCHITECTURE as GEMMA3
-from models.gemma4.spec import ARCHITECTURE as GEMMA4
+from models.gemma3.architecture import ARCHITECTURE as GEMMA3
+from models.gemma4.architecture import ARCHITECTURE as GEMMA4
 from models.pipeline.default_model import write_default_checkpoint
 from models.pipeline.quantize_and_save import UsageError, run
-from models.qwen.spec import ARCHITECTURE as QWEN
+from models.qwen.architecture import ARCHITECTURE as QWEN
 
 
 def _run(arch, tmp_path, recipe, out="out", checkpoint=None, backend="bundle", use_moe_op=False):

@@ -10,7 +10,7 @@ import pytest
 
 from llmq.checkpoint import load_bundle
 from llmq.quant import GroupQuantizedWeight, load_recipe
-from models.gemma4.spec import ARCHITECTURE as GEMMA4
+from models.gemma4.architecture import ARCHITECTURE as GEMMA4
 from models.pipeline.quantize_and_save import UsageError, run
 
 BUDGET = 5.5  # bits per weight as the bundle writes them: float32 scale and bias per group

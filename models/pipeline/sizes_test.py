@@ -15,10 +15,10 @@ import torch
 
 from llmq.backend import get_backend, storage_of, with_scale_dtypes
 from llmq.quant import QuantRecipe, dequantize, quantize_weight
-from models.gemma4.spec import ARCHITECTURE as GEMMA4
+from models.gemma4.architecture import ARCHITECTURE as GEMMA4
 from models.pipeline.default_model import write_default_checkpoint
 from models.pipeline.quantize_and_save import run
-from models.qwen.spec import ARCHITECTURE as QWEN
+from models.qwen.architecture import ARCHITECTURE as QWEN
 
 # per backend: (the suffix that marks a quantized weight `<module>`, the suffixes of all its entries)
 _BUNDLE = [(".weight.qdata", (".weight.qdata", ".weight.scale", ".weight.bias")),

@@ -20,7 +20,7 @@ from models.common.cache import StaticKVCache
 from models.pipeline import export_pt2
 from models.pipeline.export_pt2 import CacheEntry, StaticCacheLayout
 from models.qwen.model import DeltaNetState
-from models.qwen.spec import ARCHITECTURE
+from models.qwen.architecture import ARCHITECTURE
 
 DYNAMIC_PROMPT = False
 

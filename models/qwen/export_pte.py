@@ -5,7 +5,7 @@ The cache layout is the .pt2 export's (models/qwen/export.py).
 """
 
 from models.qwen.export import DYNAMIC_PROMPT, cache_layout
-from models.qwen.spec import ARCHITECTURE
+from models.qwen.architecture import ARCHITECTURE
 from models.pipeline import export_pte
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 from models.common.parity import check_gguf_names_round_trip
 from models.qwen.keymap import GGUF_EXPERT_PAIRS
-from models.qwen.spec import ARCHITECTURE
+from models.qwen.architecture import ARCHITECTURE
 
 
 def test_gguf_names_cover_the_model():

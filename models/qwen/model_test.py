@@ -18,7 +18,7 @@ from models.qwen import keymap
 from models.qwen.config import ModelConfig
 from models.qwen.delta_rule import delta_rule
 from models.qwen.model import build_model
-from models.qwen.spec import ARCHITECTURE
+from models.qwen.architecture import ARCHITECTURE
 
 
 
