@@ -11,7 +11,7 @@ model_test.py (parity with transformers) and keymap_test.py. The macro declares:
   :architecture       py_library   architecture.py + recipes/*.json
   :quantize_and_save  py_binary    the main job (over //models:architectures: another model's checkpoint
                                    given to it names that model's target)
-  :export, :export_lib, :export_pte                           (export = True: export.py, export_pte.py)
+  :export_pt2, :export_pt2_lib, :export_pte                   (torch_export = True: export_pt2.py, export_pte.py)
   :param_count, :param_count_lib, :param_count_test           (param_count = True: param_count.py)
   :model_test, :keymap_test, and one llmq_py_test per name in `tests` (<name>.py)
 """
@@ -31,7 +31,7 @@ def llmq_tool(name, deps, srcs = None, binary_deps = []):
         deps = [":" + name + "_lib"] + binary_deps,
     )
 
-_PACKAGE_FILES = ["architecture.py", "export.py", "export_pte.py", "gguf_checkpoint.py", "mlx_export.py",
+_PACKAGE_FILES = ["architecture.py", "export_pt2.py", "export_pte.py", "gguf_checkpoint.py", "mlx_export.py",
                   "param_count.py", "quantize_and_save.py"]
 
 def llmq_model(
@@ -39,8 +39,8 @@ def llmq_model(
         gguf_import = None,
         gguf_deps = [],
         mlx_export = False,
-        export = False,
-        export_deps = [],
+        torch_export = False,
+        torch_export_deps = [],
         param_count = False,
         tests = [],
         exclude = []):
@@ -51,8 +51,8 @@ def llmq_model(
       gguf_import: the package has gguf_checkpoint.py (GGUF input); default: whether the file exists.
       gguf_deps: extra deps of :gguf_checkpoint (another model's converter it extends).
       mlx_export: the package has mlx_export.py.
-      export: the package has export.py (torch.export .pt2) and export_pte.py (ExecuTorch).
-      export_deps: extra deps of the export targets (another model's :export_lib whose cache layout it reuses,
+      torch_export: the package has export_pt2.py (torch.export .pt2) and export_pte.py (ExecuTorch .pte).
+      torch_export_deps: extra deps of those targets (another model's :export_pt2_lib whose cache layout it reuses,
         or what only some flag imports).
       param_count: the package has param_count.py and param_count_test.py.
       tests: further test files (names without .py) depending on :architecture.
@@ -93,16 +93,16 @@ def llmq_model(
         python_version = "PY3",
         deps = [":architecture", "//models:architectures"],
     )
-    if export:
-        llmq_tool(name = "export", deps = [":model", ":architecture", "//models/pipeline"] + export_deps)
+    if torch_export:
+        llmq_tool(name = "export_pt2", deps = [":model", ":architecture", "//models/pipeline"] + torch_export_deps)
         native.py_binary(
             name = "export_pte",
             srcs = ["export_pte.py"],
             # a model exporting through llmq.ops (the MoE op) runs it in the .pte through its ExecuTorch kernel,
             # built where executorch is installed (cpp/moe/executorch_kernel.bzl)
-            data = executorch_kernel_data("//cpp/moe:_moe_executorch_kernel.so") if "//python/llmq/ops" in export_deps else [],
+            data = executorch_kernel_data("//cpp/moe:_moe_executorch_kernel.so") if "//python/llmq/ops" in torch_export_deps else [],
             python_version = "PY3",
-            deps = [":export_lib", "//models/pipeline"] + export_deps,
+            deps = [":export_pt2_lib", "//models/pipeline"] + torch_export_deps,
         )
     if param_count:
         llmq_tool(name = "param_count", deps = [":model"])

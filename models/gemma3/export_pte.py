@@ -1,10 +1,10 @@
 """bazel run //models/gemma3:export_pte -- [--bundle=DIR --checkpoint=DIR] [--recipe=NAME] [--max_seq_len=128] [--out=FILE.pte]
 
 ExecuTorch .pte of the quantized Gemma 3 (text) (prefill and decode methods, XNNPACK): models/pipeline/export_pte.py.
-The cache layout is the .pt2 export's (models/gemma3/export.py).
+The cache layout is the .pt2 export's (models/gemma3/export_pt2.py).
 """
 
-from models.gemma3.export import DYNAMIC_PROMPT, cache_layout
+from models.gemma3.export_pt2 import DYNAMIC_PROMPT, cache_layout
 from models.gemma3.architecture import ARCHITECTURE
 from models.pipeline import export_pte
 

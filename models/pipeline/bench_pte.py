@@ -76,7 +76,7 @@ def _greedy(prefill, decode, ids, new_tokens: int, eos) -> list:
 def bench(arch_name: str, *, checkpoint, recipe, prompt_len: int, decode_tokens: int, max_seq_len: int, repeat: int,
           out, reuse_pte: bool = False, text: str = "", text_tokens: int = 24) -> list:
     arch = importlib.import_module(f"models.{arch_name}.architecture").ARCHITECTURE
-    export = importlib.import_module(f"models.{arch_name}.export")
+    layout_module = importlib.import_module(f"models.{arch_name}.export_pt2")
     if prompt_len + decode_tokens > max_seq_len:
         raise SystemExit(f"--prompt_len {prompt_len} + --decode_steps {decode_tokens} exceeds --max_seq_len {max_seq_len}")
     workdir = tempfile.mkdtemp(prefix=f"llmq-bench-pte-{arch_name}-")
@@ -87,7 +87,7 @@ def bench(arch_name: str, *, checkpoint, recipe, prompt_len: int, decode_tokens:
     eager_load = time.perf_counter() - start
     for m in (model, eager):
         export_pt2.to_float32(m)
-    layout = export.cache_layout(eager, max_seq_len)
+    layout = layout_module.cache_layout(eager, max_seq_len)
     eager_steps = (PrefillStep(eager, layout), DecodeStep(eager, layout))
     prompt = torch.randint(0, model.config.vocab_size, (1, prompt_len), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():  # the greedy continuation both sides are fed
@@ -101,8 +101,8 @@ def bench(arch_name: str, *, checkpoint, recipe, prompt_len: int, decode_tokens:
                                                                             for m in model.modules()))}
     else:
         start = time.perf_counter()
-        _, _, counts = export_pte.model_to_pte(model, export.cache_layout(model, max_seq_len), prompt_len=prompt_len,
-                                               max_seq_len=max_seq_len, dynamic_prompt=export.DYNAMIC_PROMPT,
+        _, _, counts = export_pte.model_to_pte(model, layout_module.cache_layout(model, max_seq_len), prompt_len=prompt_len,
+                                               max_seq_len=max_seq_len, dynamic_prompt=layout_module.DYNAMIC_PROMPT,
                                                out_path=out)
         lower_s = time.perf_counter() - start
     del model

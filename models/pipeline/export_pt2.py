@@ -1,6 +1,6 @@
 """torch.export of a quantized model's prefill and decode steps, saved as .pt2 and checked against eager.
 
-The cache becomes plain tensors of fixed shape (a model's export.py describes them as a
+The cache becomes plain tensors of fixed shape (a model's export_pt2.py describes them as a
 `StaticCacheLayout`), so the two steps are pure functions:
 
     prefill(input_ids [1, S])                      -> (logits [1, S, V], cache)
@@ -79,7 +79,7 @@ class CacheEntry:
 class StaticCacheLayout:
     """How a model's per-layer cache states map to a flat tuple of fixed-shape tensors.
 
-    A model's export.py subclasses it: `entries` lists the tensors; `prefill_states()` gives the
+    A model's export_pt2.py subclasses it: `entries` lists the tensors; `prefill_states()` gives the
     fresh per-layer states a prefill from position 0 starts with; `decode_states(tensors, position)`
     wraps the tensors as states for one decode step; `tensors_of(states)` reads them back.
     """

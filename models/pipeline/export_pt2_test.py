@@ -13,7 +13,7 @@ Three references per step (prefill, then greedy decode steps), all in float32 (t
 
 Qwen runs a 4-expert top-2 variant of the tiny config (same layer kinds) through --bundle +
 --checkpoint: under export every expert runs on every token, and 16 experts made the graphs 4x
-larger and the test too slow; the 16-expert default is exercised by `bazel run //models/qwen:export`.
+larger and the test too slow; the 16-expert default is exercised by `bazel run //models/qwen:export_pt2`.
 """
 
 import json
@@ -23,11 +23,11 @@ import pytest
 import torch
 
 from llmq.quant import QuantConfig, QuantizedLinear
-from models.gemma3 import export as gemma3_export
-from models.gemma4 import export as gemma_export
+from models.gemma3 import export_pt2 as gemma3_export
+from models.gemma4 import export_pt2 as gemma_export
 from models.pipeline import export_pt2, quantize_and_save
 from models.pipeline.default_model import write_default_checkpoint
-from models.qwen import export as qwen_export
+from models.qwen import export_pt2 as qwen_export
 
 MAX_SEQ_LEN = 24
 DECODE_STEPS = 3
@@ -190,7 +190,7 @@ def test_the_export_binary_refuses_an_existing_out_with_one_line(tmp_path):
     out = tmp_path / "export"
     out.mkdir()
     (out / "prefill.pt2").write_bytes(b"an earlier export")
-    proc = subprocess.run([sys.executable, "-m", "models.gemma4.export", f"--out={out}"], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "models.gemma4.export_pt2", f"--out={out}"], capture_output=True,
                           timeout=300, env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
     assert proc.returncode == 2, proc.stderr.decode()[-2000:]
     assert proc.stderr.decode().splitlines() == [f"error: --out {out} already exists; pass --overwrite to replace "

@@ -228,14 +228,14 @@ def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_gemma_pte_prefill_and_decode(tmp_path, model):
     import importlib
 
-    architecture, export = (importlib.import_module(f"models.{model}.{part}") for part in ("architecture", "export"))
+    architecture, export = (importlib.import_module(f"models.{model}.{part}") for part in ("architecture", "export_pt2"))
     result, scale, _, steps = _model_case(architecture, export, tmp_path)
     _check_vs_eager(result, scale, steps, tmp_path, architecture, export)
 
 
 def test_qwen_pte_prefill_and_decode(tmp_path):
     # the experts run llmq's MoE kernel inside the .pte (every MoE layer, both methods); the rest as for Gemma
-    from models.qwen import export as qwen_export
+    from models.qwen import export_pt2 as qwen_export
     from models.qwen import architecture as qwen_architecture
 
     result, scale, _, steps = _model_case(qwen_architecture, qwen_export, tmp_path)

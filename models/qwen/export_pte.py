@@ -1,10 +1,10 @@
 """bazel run //models/qwen:export_pte -- [--bundle=DIR --checkpoint=DIR] [--recipe=NAME] [--max_seq_len=128] [--out=FILE.pte]
 
 ExecuTorch .pte of the quantized Qwen3.5-MoE (prefill and decode methods, XNNPACK): models/pipeline/export_pte.py.
-The cache layout is the .pt2 export's (models/qwen/export.py).
+The cache layout is the .pt2 export's (models/qwen/export_pt2.py).
 """
 
-from models.qwen.export import DYNAMIC_PROMPT, cache_layout
+from models.qwen.export_pt2 import DYNAMIC_PROMPT, cache_layout
 from models.qwen.architecture import ARCHITECTURE
 from models.pipeline import export_pte
 

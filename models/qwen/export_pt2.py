@@ -1,4 +1,4 @@
-"""bazel run //models/qwen:export -- [--bundle=DIR --checkpoint=DIR] [--recipe=int4] [--max_seq_len=128] [--out=DIR]
+"""bazel run //models/qwen:export_pt2 -- [--bundle=DIR --checkpoint=DIR] [--recipe=int4] [--max_seq_len=128] [--out=DIR]
 
 torch.export of the quantized Qwen3.5-MoE's prefill and decode steps (models/pipeline/export_pt2.py).
 The cache is one fixed-shape tensor pair per layer: keys/values [1, H_kv, max_seq_len, head_dim] for

@@ -1,4 +1,4 @@
-"""bazel run //models/gemma4:export -- [--bundle=DIR --checkpoint=DIR] [--recipe=int4] [--max_seq_len=128] [--out=DIR]
+"""bazel run //models/gemma4:export_pt2 -- [--bundle=DIR --checkpoint=DIR] [--recipe=int4] [--max_seq_len=128] [--out=DIR]
 
 torch.export of the quantized Gemma 4's prefill and decode steps (models/pipeline/export_pt2.py).
 The cache is export_pt2's `AttentionKVCacheLayout`: keys/values [1, H_kv, max_seq_len, head_dim] per
