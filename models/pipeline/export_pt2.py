@@ -337,26 +337,6 @@ def load_quantized_model(arch: Architecture, *, bundle: Optional[str], checkpoin
     return model, bundle
 
 
-def swap_in_moe_op(model: nn.Module, recipe_name: str) -> List[str]:
-    """Replace the model's MoE blocks with llmq.ops' QuantizedMoEBlock (torch.ops.llmq.quantized_moe_ffn),
-    repacking the bundle's quantized experts as they are (models/pipeline/moe_op_swap.py; never re-quantized).
-    Raises UsageError when llmq.ops or its kernel is unavailable or no block qualifies."""
-    del recipe_name  # the weights already carry their quantization
-    try:
-        from llmq.ops.kernel_loader import MoEKernelUnavailable
-        from models.pipeline.moe_op_swap import use_quantized_moe_op
-    except ImportError as e:
-        raise quantize_and_save.UsageError(f"--use_moe_quantized_op: llmq.ops is not importable ({e})") from None
-    try:
-        replaced = use_quantized_moe_op(model)
-    except MoEKernelUnavailable as e:
-        raise quantize_and_save.UsageError(f"--use_moe_quantized_op: {e}") from None
-    if not replaced:
-        raise quantize_and_save.UsageError("--use_moe_quantized_op: no MoE block has INT4/INT8 experts with one "
-                                           "group size for gate_up and down")
-    return replaced
-
-
 def _dequantized_linear(lin: QuantizedLinear) -> torch.Tensor:
     return dequantize_graph(lin.weight_qdata, lin.weight_scale, lin.weight_bias, lin.bits, lin.group_size,
                             lin.in_features)
@@ -398,7 +378,9 @@ def run(arch: Architecture, make_layout: Callable[[nn.Module, int], StaticCacheL
             to_float32(model)
         moe_op_blocks: List[str] = []
         if use_moe_quantized_op:
-            moe_op_blocks = swap_in_moe_op(model, recipe)
+            from models.pipeline.moe_op_swap import swap_in_moe_op
+
+            moe_op_blocks = swap_in_moe_op(model, "--use_moe_quantized_op")
         layout = make_layout(model, max_seq_len)
         start = time.perf_counter()
         prefill, decode = export_steps(model, layout, prompt_len=prompt_len, max_seq_len=max_seq_len,

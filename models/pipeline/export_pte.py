@@ -370,18 +370,20 @@ def run(arch: Architecture, make_layout: Callable[[nn.Module, int], StaticCacheL
 
 
 def _swap_in_moe_op(model: nn.Module) -> List[str]:
-    """MoE blocks -> llmq's op, checking first that the .pte will find its ExecuTorch kernel (one-line errors)."""
+    """MoE blocks -> llmq's op (models/pipeline/moe_op_swap.py), checking first that the .pte will find its
+    ExecuTorch kernel (one-line errors); blocks the kernel cannot take stay eager (the dense 8da loop)."""
+    from models.pipeline.moe_op_swap import swap_in_moe_op
+
+    flag, alternative = "--pte_experts=op", "; or use --pte_experts=dense"
     try:
-        from llmq.ops.kernel_loader import MoEKernelUnavailable
         from models.pipeline import moe_pte
     except ImportError as e:
-        raise quantize_and_save.UsageError(f"--pte_experts=op: llmq.ops is not importable ({e}); "
-                                           "or use --pte_experts=dense") from None
+        raise quantize_and_save.UsageError(f"{flag}: llmq.ops is not importable ({e}){alternative}") from None
     try:
         moe_pte.load_executorch_kernel()
-        return moe_pte.use_moe_op_for_pte(model)
-    except (MoEKernelUnavailable, moe_pte.MoEExecuTorchKernelUnavailable) as e:
-        raise quantize_and_save.UsageError(f"--pte_experts=op: {e}; or use --pte_experts=dense") from None
+    except moe_pte.MoEExecuTorchKernelUnavailable as e:
+        raise quantize_and_save.UsageError(f"{flag}: {e}{alternative}") from None
+    return swap_in_moe_op(model, flag, required=False, alternative=alternative)
 
 
 def _op_calls(manager, method: str) -> int:

@@ -23,7 +23,6 @@ import os
 from typing import List, Optional
 
 import torch
-from torch import nn
 
 from llmq._extensions import find_extension
 
@@ -105,15 +104,6 @@ def load_executorch_kernel() -> str:
     detail = "; ".join(problems) or "not found under cpp/moe in the runfiles or the checkout"
     raise MoEExecuTorchKernelUnavailable(f"the ExecuTorch MoE kernel {KERNEL_TARGET} is not available: {detail}. "
                                          f"Build it with Bazel (needs executorch installed) or set {KERNEL_ENV_VAR}")
-
-
-def use_moe_op_for_pte(model: nn.Module) -> List[str]:
-    """Swap the model's quantized MoE blocks for QuantizedMoEBlock (the op); returns their names.
-    Blocks the kernel cannot take (float experts, different bits or groups for gate_up and down) keep
-    their eager form, which export_pte then runs as the dense loop."""
-    from models.pipeline.moe_op_swap import use_quantized_moe_op
-
-    return use_quantized_moe_op(model)
 
 
 def op_nodes(program) -> int:

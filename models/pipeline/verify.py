@@ -14,7 +14,6 @@ from typing import Callable, Dict, List, Optional, Tuple
 from models.common.text_check import DEFAULT_PROMPT, text_agreement, text_rows
 from models.common.tokenizer import has_tokenizer, load_tokenizer
 from models.pipeline.arch import Architecture
-from models.pipeline.usage_error import UsageError
 from models.pipeline.quantized_model import build_quantized_model
 from models.pipeline.agreement import compare_logits, verdict, verification_prompt
 
@@ -61,14 +60,10 @@ def verify(arch: Architecture, config, model_input, backend, job, path: str, ref
         result.update(consumer_result)
         failure = failure or consumer_result.get("failure")
     if use_moe_op and failure is None:
-        from models.pipeline.moe_op_swap import use_quantized_moe_op
+        from models.pipeline.moe_op_swap import swap_in_moe_op
 
         with_op = build_quantized_model(arch.build_model(config, device="meta"), reloaded)
-        swapped = use_quantized_moe_op(with_op)
-        if not swapped:
-            raise UsageError("--use_moe_quantized_op: no MoE block to swap; the kernel needs routed experts "
-                             "quantized INT4/INT8 with one group size (32/64/128) for gate_up and down, "
-                             "e.g. --recipe=int4 or mixed")
+        swapped = swap_in_moe_op(with_op, "--use_moe_quantized_op")
         step("verify: running the MoE blocks through torch.ops.llmq.quantized_moe_ffn")
         op_check = compare_logits(quantized, with_op, vocab_size=config.vocab_size, seed=seed)
         result["moe_op"] = dict(op_check, blocks=len(swapped))
