@@ -73,7 +73,7 @@ def test_hostile_hyper_parameters_give_a_config_or_one_line(arch, data):
         except ValueError as e:
             assert "\n" not in str(e)
             return
-        try:  # what sources.open_source reports in one line
+        try:  # what inputs.open_input reports in one line
             config = arch.config_from_hf(hf)
         except (ValueError, KeyError, NotImplementedError) as e:
             assert "\n" not in str(e)
