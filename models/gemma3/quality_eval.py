@@ -305,7 +305,7 @@ def main(argv=None) -> int:
                     counts[c.describe()] = counts.get(c.describe(), 0) + 1
                 print(f"{name} {budget}: {counts}", flush=True)
                 key = f"{name}@{budget:g}"
-                variants[key], bpw[key] = llmq_variant(reference, names, lambda n: chosen[n],
+                variants[key], bpw[key] = llmq_variant(reference, names, lambda n, chosen=chosen: chosen[n],
                                                        importance={n: importance[n[: -len(".weight")]] for n in names})
             continue
         else:

@@ -41,10 +41,10 @@ from torch import nn
 from llmq.checkpoint import CheckpointError
 from llmq.quant import QuantizedLinear, to_torchao
 from models.pipeline import export_pt2, quantize_and_save
+from models.pipeline.agreement import format_table
 from models.pipeline.arch import Architecture
 from models.pipeline.export_pt2 import DecodeStep, PrefillStep, StaticCacheLayout
 from models.pipeline.quantized_model import QuantizedExperts, _StackedQuantized
-from models.pipeline.agreement import format_table
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("pte_experts", "op", ["op", "dense"], "Routed experts in the .pte: 'op' runs llmq's "

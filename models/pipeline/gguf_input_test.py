@@ -15,7 +15,6 @@ pipeline then imports it, and we check against independent references:
 from __future__ import annotations
 
 import json
-
 import os
 import time
 
@@ -30,13 +29,12 @@ from llmq.quant.formats import dequantize_canonical
 from models.gemma4 import keymap as gemma_keymap
 from models.gemma4.gguf_checkpoint import GGUFConverter as GemmaConverter
 from models.gemma4.spec import ARCHITECTURE as GEMMA4
+from models.pipeline.agreement import compare_logits
 from models.pipeline.gguf_input import Metadata
 from models.pipeline.quantize_and_save import UsageError, run
 from models.pipeline.quantized_model import build_quantized_model
-from models.pipeline.agreement import compare_logits
 from models.qwen import keymap as qwen_keymap
-from models.qwen.gguf_checkpoint import GGUFConverter as QwenConverter
-from models.qwen.gguf_checkpoint import hf_config_from_gguf as qwen_config_from_gguf
+from models.qwen.gguf_checkpoint import GGUFConverter as QwenConverter, hf_config_from_gguf as qwen_config_from_gguf
 from models.qwen.spec import ARCHITECTURE as QWEN
 
 Q8_0, Q4_0 = gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0

@@ -13,14 +13,12 @@ import json
 import os
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
-import torch
-
 from llmq.checkpoint import CheckpointError, iter_checkpoint, read_gguf_metadata, source_files
 from models.pipeline import gguf_input
 from models.pipeline.arch import Architecture
 from models.pipeline.default_model import write_default_checkpoint, write_tiny_tokenizer
-from models.pipeline.usage_error import UsageError
 from models.pipeline.streaming import merge_experts_stream
+from models.pipeline.usage_error import UsageError
 
 # Files a tokenizer loader may read (mlx-lm, transformers); carried from a real checkpoint when present.
 TOKENIZER_FILES = (

@@ -13,7 +13,7 @@ The portable bundle is registered here, by the core itself. See docs/backends.md
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Protocol, Tuple, runtime_checkable
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Protocol, Tuple, runtime_checkable
 
 Stream = Iterable[Tuple[str, Any]]
 Rows = List[Tuple[str, str]]

@@ -12,8 +12,15 @@ import time
 import pytest
 import torch
 
-from llmq.checkpoint import BundleWriter, CheckpointError, OutputWriteError, load_bundle, read_manifest, save_bundle
-from llmq.checkpoint import bundle as bundle_module
+from llmq.checkpoint import (
+    BundleWriter,
+    CheckpointError,
+    OutputWriteError,
+    bundle as bundle_module,
+    load_bundle,
+    read_manifest,
+    save_bundle,
+)
 from llmq.quant.formats import GroupQuantizedWeight, pack_bits
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -201,7 +208,7 @@ def test_a_crash_at_each_step_of_close_keeps_every_finished_shard(tmp_path, monk
             writer.add(name, value)
         calls = []
 
-        def wrap(label, real):
+        def wrap(label, real, calls=calls, k=k):
             def step(*args, **kwargs):
                 if threading.current_thread() is main:
                     calls.append(label)

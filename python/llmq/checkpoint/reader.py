@@ -19,7 +19,6 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 import torch
 
 from llmq.checkpoint.errors import (
-    CheckpointError,
     MissingTensorsError,
     NonFiniteWeightError,
     TensorMismatchError,
@@ -382,7 +381,7 @@ def iter_checkpoint(path: os.PathLike, *, key_map: KeyMap = None, convert: Conve
         ahead = None
     items = iter(ahead) if ahead else ((name, out, read(name, out)) for name, out in plan.renames)
     try:
-        for name, out, (value, nonfinite_parts) in items:
+        for _name, out, (value, nonfinite_parts) in items:
             report_nonfinite(nonfinite_parts, nonfinite, path=plan.source.path)
             value = _cast(value, dtype)
             if convert is not None:

@@ -89,7 +89,8 @@ def run_one(src: str, dst: str, fmt: str, style: str, max_shard_bytes: int = 512
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         return {"format": fmt, "style": style, "input_bytes": n, "output_bytes": n, "seconds": seconds, "gb_per_s": n / seconds / 1e9, "peak_rss_bytes": rss}
     config = {"fp8": {"format": "fp8", "granularity": "channel"}, "fp8_block": {"format": "fp8", "granularity": "block128"}, "nvfp4": {"format": "nvfp4"}, "mxfp4": {"format": "mxfp4"}}[fmt]
-    recipe = lambda fqn: config
+    def recipe(fqn):
+        return config
     start = time.perf_counter()
     s = write_hf_quantized_checkpoint(dst, iter_folder(src), recipe, style=style, max_shard_bytes=max_shard_bytes, overwrite=True)
     seconds = time.perf_counter() - start

@@ -50,7 +50,7 @@ def main() -> int:
     print(f"nvidia-modelopt {modelopt.__version__}, torch {torch.__version__}")
     g = torch.Generator().manual_seed(0)
     ok = True
-    for seed, shape in enumerate([(256, 512), (3, 64, 256), (1024, 2048)]):
+    for shape in [(256, 512), (3, 64, 256), (1024, 2048)]:
         w = (torch.randn(shape, generator=g) * torch.exp(torch.randn(shape[:-1] + (1,), generator=g))).to(torch.bfloat16)
         w.view(-1)[:64] = 0  # all-zero blocks
         w2 = w.reshape(-1, shape[-1])

@@ -120,7 +120,7 @@ def _scheme_lookup(cfg: Mapping[str, Any], folder: str, problems: List[str]) -> 
     if method == "compressed-tensors":
         groups = []
         for gid, group in (qc.get("config_groups") or {}).items():
-            fields = _first(lambda h: h.from_compressed_tensors(group))
+            fields = _first(lambda h, group=group: h.from_compressed_tensors(group))
             if fields is None:
                 problems.append(f"config.json: quantization_config group {gid} (format {group.get('format')!r}) is read by no registered format")
                 continue
@@ -189,7 +189,7 @@ def _layers(files: "_Folder") -> Dict[str, List[str]]:
         module, _, leaf = n.rpartition(".")
         by_module.setdefault(module, []).append(leaf)
     return {m: leaves for m, leaves in by_module.items()
-            if any(l in ("weight", "weight_packed") and len(files.meta(f"{m}.{l}")[1]) == 2 for l in leaves)}
+            if any(leaf in ("weight", "weight_packed") and len(files.meta(f"{m}.{leaf}")[1]) == 2 for leaf in leaves)}
 
 
 # --------------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 import torch
 
 from llmq.checkpoint.fileio import copy_file, write_error, write_file_atomic
+from llmq.checkpoint.shard_file import placeholder
 from llmq.export.quant_config import build_hf_quantization_config, build_modelopt_hf_quant_config
 from llmq.export.shards import ShardWriter
 from llmq.export.spec import (
@@ -39,7 +40,6 @@ from llmq.export.spec import (
     merge_export_states,
     needs_tensor_amax,
 )
-from llmq.checkpoint.shard_file import placeholder
 from llmq.export.tensors import export_quantized_weight_tensors
 from llmq.quant import fp
 from llmq.quant.chunked import SECOND_PASS_KEPT_BLOCKS, RowBlocks
@@ -227,7 +227,7 @@ class _Exporter:
                     "never written unquantized silently - add a rule for them"
                 )
             if len(leaves) == 2 and all(needs_tensor_amax(s) for s in specs.values()) and len({(s.format, s.granularity) for s in specs.values()}) == 1:
-                merged = merge_export_states([self.state_for(parts[l], specs[l]) for l in leaves])
+                merged = merge_export_states([self.state_for(parts[leaf], specs[leaf]) for leaf in leaves])
                 states = {leaf: merged for leaf in leaves}
             else:
                 states = {leaf: self.state_for(parts[leaf], specs[leaf]) for leaf in leaves}

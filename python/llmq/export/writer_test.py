@@ -152,7 +152,8 @@ def test_transformers_loads_our_compressed_tensors_folder(config, tmp_path):
     cfg = Qwen3Config(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=256, tie_word_embeddings=False)
     torch.manual_seed(0)
     sd = Qwen3ForCausalLM(cfg).to(torch.bfloat16).state_dict()
-    recipe = lambda fqn: None if fqn.endswith(UNQUANTIZED) else config
+    def recipe(fqn):
+        return None if fqn.endswith(UNQUANTIZED) else config
     hf_config = {**cfg.to_dict(), "architectures": ["Qwen3ForCausalLM"]}
     write_hf_quantized_checkpoint(str(tmp_path / "m"), iter(sd.items()), recipe, style="compressed-tensors", config=hf_config)
     model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "m"), quantization_config=CompressedTensorsConfig(run_compressed=False), dtype=torch.bfloat16)
@@ -218,7 +219,8 @@ def test_modelopt_folder_matches_documented_formulas(tiny_moe, tmp_path):
 
 def test_single_format_modelopt_config_and_exclusions(tiny_moe, tmp_path):
     cfg, sd = tiny_moe
-    recipe = lambda fqn: None if fqn.endswith(UNQUANTIZED) else FP8_CHANNEL
+    def recipe(fqn):
+        return None if fqn.endswith(UNQUANTIZED) else FP8_CHANNEL
     write_hf_quantized_checkpoint(str(tmp_path / "fp8"), iter(sd.items()), recipe, style="modelopt", config=cfg.to_dict())
     q = json.loads((tmp_path / "fp8" / "hf_quant_config.json").read_text())["quantization"]
     assert q == {
@@ -233,7 +235,8 @@ def test_single_format_modelopt_config_and_exclusions(tiny_moe, tmp_path):
 
 def test_embeddings_head_and_router_stay_unquantized_unless_asked(tiny_moe, tmp_path):
     cfg, sd = tiny_moe
-    everything = lambda fqn: MXFP8
+    def everything(fqn):
+        return MXFP8
     s = write_hf_quantized_checkpoint(str(tmp_path / "a"), iter(sd.items()), everything, style="compressed-tensors")
     assert s.excluded_modules == ["lm_head", "model.embed_tokens", "model.layers.0.mlp.gate"]
     s = write_hf_quantized_checkpoint(str(tmp_path / "b"), iter(sd.items()), everything, style="compressed-tensors", keep_unquantized=[r".*embed_tokens"])
@@ -298,7 +301,8 @@ def test_interrupted_export_resumes_to_identical_bytes(tiny_moe, tmp_path):
 
 def test_fused_experts_are_never_silently_left_unquantized(tiny_moe, tmp_path):
     cfg, sd = tiny_moe
-    recipe = lambda fqn: None if (fqn.endswith(UNQUANTIZED) or ".experts." in fqn) else NVFP4
+    def recipe(fqn):
+        return None if (fqn.endswith(UNQUANTIZED) or ".experts." in fqn) else NVFP4
     with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts\.gate_up_proj: the recipe gives no quantization"):
         write_hf_quantized_checkpoint(str(tmp_path / "x"), iter(sd.items()), recipe)
     assert not (tmp_path / "x").exists()

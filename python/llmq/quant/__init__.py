@@ -20,10 +20,10 @@ from llmq.quant.formats import (
     unpack_bits,
 )
 from llmq.quant.fuse import fuse_along_output
-from llmq.quant.quantize_model import QuantizationReport, ReportEntry, quantize_model
 from llmq.quant.modules import QuantizedEmbedding, QuantizedLinear
 from llmq.quant.presets import PRESETS, get_preset, load_recipe, register_preset
 from llmq.quant.quantize import dequantize, quantize_weight
+from llmq.quant.quantize_model import QuantizationReport, ReportEntry, quantize_model
 from llmq.quant.recipe import QuantConfig, QuantRecipe, QuantRule
 from llmq.quant.stream import quantize_stream
 

@@ -22,6 +22,8 @@ from llmq.quant.formats.base import (
     register_format,
     unregister_format,
 )
+from llmq.quant.formats.fp8 import FP8Format
+from llmq.quant.formats.gguf_blocks import GGUFBlockFormat
 from llmq.quant.formats.int_affine import (
     DEQUANT_BLOCK_ELEMENTS,
     SUPPORTED_BITS,
@@ -33,10 +35,8 @@ from llmq.quant.formats.int_affine import (
     unpack_bits,
     validate_layout,
 )
-from llmq.quant.formats.fp8 import FP8Format
 from llmq.quant.formats.mx import MXFormat
 from llmq.quant.formats.nvfp4 import NVFP4Format
-from llmq.quant.formats.gguf_blocks import GGUFBlockFormat
 
 # The registrations: one line per family.
 register_format(IntAffineFormat())
