@@ -359,7 +359,8 @@ def run(arch: Architecture, make_layout: Callable[[nn.Module, int], StaticCacheL
         rows.append((f"max |diff| {'prefill' if i == 0 else f'decode {i}'}",
                      f".pte vs eager llmq {a:.2e}; .pte vs torchao eager 8da {b:.2e}"))
     log(format_table(rows))
-    return {"out": out, "counts": counts, "op_calls": {d: _op_calls(manager, d) for d in ("prefill", "decode")}, "stats": stats, "vs_eager": vs_eager, "vs_ao": vs_ao, "scale": scale,
+    return {"out": out, "counts": counts, "op_calls": {d: _op_calls(manager, d) for d in ("prefill", "decode")},
+            "stats": stats, "vs_eager": vs_eager, "vs_ao": vs_ao, "scale": scale,
             "eager": eager_logits, "ao": ao, "pte": pte, "model": model, "layout": layout, "prompt": prompt}
 
 

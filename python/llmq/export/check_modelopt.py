@@ -60,7 +60,8 @@ def main() -> int:
         ours = fp.quantize_nvfp4(w2)
         same_scale = torch.equal(ours.block_scale.view(torch.uint8), s_theirs.view(torch.uint8)) and ours.global_scale.item() == s2_theirs.float().item()
         diff = int(_differing_codes(ours.codes, theirs._quantized_data).sum())
-        print(f"NVFP4 {list(w2.shape)}: scales identical={same_scale}, weight_scale_2 ours={ours.global_scale.item():.9g} theirs={s2_theirs.float().item():.9g}, differing codes={diff}")
+        print(f"NVFP4 {list(w2.shape)}: scales identical={same_scale}"
+              f", weight_scale_2 ours={ours.global_scale.item():.9g} theirs={s2_theirs.float().item():.9g}, differing codes={diff}")
         ok &= same_scale and diff == 0
 
         # MXFP4

@@ -48,7 +48,8 @@ class ShardWriter:
         with open(path) as f:
             journal = json.load(f)
         if journal.get("max_shard_bytes") != writer.rotation.max_shard_bytes:
-            raise ValueError(f"{folder}: the interrupted export used max_shard_bytes={journal.get('max_shard_bytes')}, not {max_shard_bytes}; resume with the same settings or start over")
+            raise ValueError(f"{folder}: the interrupted export used max_shard_bytes={journal.get('max_shard_bytes')}, not {max_shard_bytes}"
+                             "; resume with the same settings or start over")
         for i, shard in enumerate(journal["shards"]):
             if not os.path.exists(writer._shard_path(i)):
                 raise ValueError(f"{folder}: journal lists shard {i} but its file is missing; start over")
@@ -124,7 +125,8 @@ class ShardWriter:
         """Write the last shard, give shards their final names, write the index. Returns the
         shard file names."""
         if self._done:
-            raise ValueError(f"{len(self._done)} tensor(s) of the interrupted export were not produced again (e.g. {sorted(self._done)[0]!r}); the input or recipe changed - start over")
+            raise ValueError(f"{len(self._done)} tensor(s) of the interrupted export were not produced again (e.g. {sorted(self._done)[0]!r})"
+                             "; the input or recipe changed - start over")
         self._flush()
         count = len(self._shards)
         if count == 0:

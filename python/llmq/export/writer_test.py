@@ -84,7 +84,8 @@ def _canonical(module, w, sources, config):
     NVFP4 global scale (max over q/k/v or over gate/up), computed here independently."""
     if config.format == "nvfp4":
         parent, _, leaf = module.rpartition(".")
-        group = ("q_proj", "k_proj", "v_proj") if leaf in ("q_proj", "k_proj", "v_proj") else ("gate_proj", "up_proj") if leaf in ("gate_proj", "up_proj") else (leaf,)
+        group = (("q_proj", "k_proj", "v_proj") if leaf in ("q_proj", "k_proj", "v_proj")
+                 else ("gate_proj", "up_proj") if leaf in ("gate_proj", "up_proj") else (leaf,))
         amax = max(sources[f"{parent}.{s}"].float().abs().max() for s in group)
         return fp.dequantize_fp(fp.quantize_nvfp4(w, global_scale=amax / 2688.0))
     if config.format == "int":
@@ -149,7 +150,8 @@ def test_transformers_loads_our_compressed_tensors_folder(config, tmp_path):
 
     from llmq.export import dequantize_exported_tensors, make_spec
 
-    cfg = Qwen3Config(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=256, tie_word_embeddings=False)
+    cfg = Qwen3Config(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=32, vocab_size=256, tie_word_embeddings=False)
     torch.manual_seed(0)
     sd = Qwen3ForCausalLM(cfg).to(torch.bfloat16).state_dict()
     def recipe(fqn):
@@ -208,7 +210,8 @@ def test_modelopt_folder_matches_documented_formulas(tiny_moe, tmp_path):
         assert torch.equal(deq, _canonical(module, w, sources, NVFP4)), module
         # The shared global scale is max(sibling amax) / (6 * 448).
         parent, _, leaf = module.rpartition(".")
-        sib = ("q_proj", "k_proj", "v_proj") if leaf in ("q_proj", "k_proj", "v_proj") else ("gate_proj", "up_proj") if leaf in ("gate_proj", "up_proj") else (leaf,)
+        sib = (("q_proj", "k_proj", "v_proj") if leaf in ("q_proj", "k_proj", "v_proj")
+               else ("gate_proj", "up_proj") if leaf in ("gate_proj", "up_proj") else (leaf,))
         amax = max(sources[f"{parent}.{x}"].float().abs().max() for x in sib)
         assert s2.item() == (amax / 2688.0).item(), module
         if module in act_amax:
@@ -318,7 +321,8 @@ def test_bad_configs_name_the_tensor(tiny_moe, tmp_path):
     with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.k_proj\.weight: FP8 block128 needs.*got shape \[64, 128\]"):
         write_hf_quantized_checkpoint(str(tmp_path / "x"), iter(bad.items()), lambda f: None if f.endswith(UNQUANTIZED) else FP8_BLOCK)
     with pytest.raises(ValueError, match=r"ModelOpt's per-tensor FP8 .* needs a static input scale"):
-        write_hf_quantized_checkpoint(str(tmp_path / "x"), iter(sd.items()), lambda f: None if f.endswith(UNQUANTIZED) else {"format": "fp8", "granularity": "tensor"})
+        write_hf_quantized_checkpoint(str(tmp_path / "x"), iter(sd.items()),
+                                      lambda f: None if f.endswith(UNQUANTIZED) else {"format": "fp8", "granularity": "tensor"})
     assert os.listdir(tmp_path) == []
 
 

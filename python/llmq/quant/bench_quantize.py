@@ -52,7 +52,8 @@ def main() -> None:
     ap.add_argument("--search_shape", default="1024x1024", help="ROWSxCOLS of the search/hqq table's weight")
     args = ap.parse_args()
     threads = [int(t) for t in args.threads.split(",")]
-    print(f"kernel: {'available, isa ' + str(_native.best_isa()) if _native.native_kernel_available() else 'NOT available: ' + str(_native.native_kernel_error())}")
+    available = _native.native_kernel_available()
+    print(f"kernel: {'available, isa ' + str(_native.best_isa()) if available else 'NOT available: ' + str(_native.native_kernel_error())}")
     print(f"{'shape':<22}{'config':<18}{'path':<8}{'threads':>8}{'best GB/s':>11}{'median GB/s':>13}")
     for shape_name, shape in SHAPES.items():
         if args.quick and shape_name != "4096x4096":

@@ -108,7 +108,8 @@ class MXWeight:
         lead, k = tuple(self.shape[:-1]), self.shape[-1]
         row = k * MX_ELEMENTS[self.fmt].bits // 8
         if k % MX_BLOCK or self.codes.dtype != torch.uint8 or tuple(self.codes.shape) != lead + (row,):
-            raise ValueError(f"MXWeight.codes must be uint8 {list(lead + (row,))} for shape {list(self.shape)}, got {self.codes.dtype} {list(self.codes.shape)}")
+            raise ValueError(f"MXWeight.codes must be uint8 {list(lead + (row,))} for shape {list(self.shape)}"
+                             f", got {self.codes.dtype} {list(self.codes.shape)}")
         if self.scale_e8m0.dtype != torch.uint8 or tuple(self.scale_e8m0.shape) != lead + (k // MX_BLOCK,):
             raise ValueError(f"MXWeight.scale_e8m0 must be uint8 {list(lead + (k // MX_BLOCK,))}, got {self.scale_e8m0.dtype} {list(self.scale_e8m0.shape)}")
 
@@ -130,9 +131,11 @@ class NVFP4Weight:
     def __post_init__(self):
         lead, k = tuple(self.shape[:-1]), self.shape[-1]
         if k % NVFP4_BLOCK or self.codes.dtype != torch.uint8 or tuple(self.codes.shape) != lead + (k // 2,):
-            raise ValueError(f"NVFP4Weight.codes must be uint8 {list(lead + (k // 2,))} for shape {list(self.shape)}, got {self.codes.dtype} {list(self.codes.shape)}")
+            raise ValueError(f"NVFP4Weight.codes must be uint8 {list(lead + (k // 2,))} for shape {list(self.shape)}"
+                             f", got {self.codes.dtype} {list(self.codes.shape)}")
         if self.block_scale.dtype != torch.float8_e4m3fn or tuple(self.block_scale.shape) != lead + (k // NVFP4_BLOCK,):
-            raise ValueError(f"NVFP4Weight.block_scale must be float8_e4m3fn {list(lead + (k // NVFP4_BLOCK,))}, got {self.block_scale.dtype} {list(self.block_scale.shape)}")
+            raise ValueError(f"NVFP4Weight.block_scale must be float8_e4m3fn {list(lead + (k // NVFP4_BLOCK,))}"
+                             f", got {self.block_scale.dtype} {list(self.block_scale.shape)}")
         expect = tuple(self.shape[:-2])
         if self.global_scale.dtype != torch.float32 or tuple(self.global_scale.shape) != expect:
             raise ValueError(f"NVFP4Weight.global_scale must be float32 {list(expect)}, got {self.global_scale.dtype} {list(self.global_scale.shape)}")
@@ -293,7 +296,8 @@ def quantize_fp8(w: torch.Tensor, granularity: str = "tensor", *, name: str = "<
     data = torch.empty(rows.shape, dtype=torch.float8_e4m3fn)
     if granularity == "block128":
         if w.dim() < 2 or w.shape[-2] % FP8_BLOCK:
-            raise ValueError(f"{name}: FP8 block128 needs a 2-D/3-D weight with N and K multiples of {FP8_BLOCK}, got shape {list(w.shape)} (pad the weight first)")
+            raise ValueError(f"{name}: FP8 block128 needs a 2-D/3-D weight with N and K multiples of {FP8_BLOCK}, got shape {list(w.shape)}"
+                             " (pad the weight first)")
         n = w.shape[-2]
         bands = rows.reshape(-1, FP8_BLOCK, k // FP8_BLOCK, FP8_BLOCK)  # [bands, 128, K/128, 128]
         if scale is None:
@@ -355,7 +359,8 @@ def quantize_mx(w: torch.Tensor, fmt: str, *, name: str = "<tensor>") -> MXWeigh
         codes[a:b] = element.encode(scaled)
         scales[a:b] = e8
     lead = tuple(w.shape[:-1])
-    return MXWeight(codes=codes.reshape(lead + (codes.shape[-1],)), scale_e8m0=scales.reshape(lead + (k // MX_BLOCK,)), fmt=fmt, shape=tuple(w.shape), dtype=w.dtype)
+    return MXWeight(codes=codes.reshape(lead + (codes.shape[-1],)), scale_e8m0=scales.reshape(lead + (k // MX_BLOCK,)),
+                    fmt=fmt, shape=tuple(w.shape), dtype=w.dtype)
 
 
 def nvfp4_global_scale(w: torch.Tensor) -> torch.Tensor:
