@@ -214,13 +214,13 @@ def _written_version(tensors: Dict[str, Dict[str, Any]]) -> int:
     return BUNDLE_VERSION if any(r["kind"] == "quantized" for r in tensors.values()) else BASE_BUNDLE_VERSION
 
 
-def source_files(folder: os.PathLike) -> List[str]:
+def source_files(folder: str | os.PathLike) -> List[str]:
     """The SOURCE_FILES a checkpoint folder has (config, tokenizer, generation config), as paths."""
     folder = os.fspath(folder)
     return [os.path.join(folder, n) for n in SOURCE_FILES if os.path.isfile(os.path.join(folder, n))]
 
 
-def _check_extra_files(paths: Iterable[os.PathLike]) -> List[str]:
+def _check_extra_files(paths: Iterable[str | os.PathLike]) -> List[str]:
     paths = [os.fspath(p) for p in paths]
     names = set()
     for path in paths:
@@ -375,10 +375,10 @@ class BundleWriter:
     ``add`` must not be modified in place afterwards (their bytes may still be queued).
     """
 
-    def __init__(self, out_dir: os.PathLike, *, recipe: Any = None, metadata: Optional[Dict[str, str]] = None,
+    def __init__(self, out_dir: str | os.PathLike, *, recipe: Any = None, metadata: Optional[Dict[str, str]] = None,
                  max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, resume: bool = True, overwrite: bool = False,
                  fsync: bool = True, write_queue_bytes: int = DEFAULT_WRITE_QUEUE_BYTES,
-                 extra_files: Iterable[os.PathLike] = ()):
+                 extra_files: Iterable[str | os.PathLike] = ()):
         self.rotation = ShardRotation(max_shard_bytes)
         if write_queue_bytes < 0:
             raise ValueError(f"write_queue_bytes must be >= 0, got {write_queue_bytes}")
@@ -696,11 +696,11 @@ class BundleWriter:
             self._unlock()
 
 
-def save_bundle(stream: Iterable[Tuple[str, Union[Value, Callable[[], Value]]]], out_dir: os.PathLike, *,
+def save_bundle(stream: Iterable[Tuple[str, Union[Value, Callable[[], Value]]]], out_dir: str | os.PathLike, *,
                 recipe: Any = None, metadata: Optional[Dict[str, str]] = None,
                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, resume: bool = True, overwrite: bool = False,
                 fsync: bool = True, write_queue_bytes: int = DEFAULT_WRITE_QUEUE_BYTES,
-                extra_files: Iterable[os.PathLike] = ()) -> str:
+                extra_files: Iterable[str | os.PathLike] = ()) -> str:
     """Write ``(fqn, tensor | GroupQuantizedWeight | callable)`` items as a bundle; return its path.
 
     ``extra_files`` (e.g. ``source_files(hf_folder)``: config.json, tokenizer files) are copied

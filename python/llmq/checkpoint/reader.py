@@ -200,7 +200,7 @@ def _plan(path: str, key_map: KeyMap, tied: Optional[Mapping[str, str]]) -> _Pla
         raise
 
 
-def checkpoint_names(path: os.PathLike, *, key_map: KeyMap = None,
+def checkpoint_names(path: str | os.PathLike, *, key_map: KeyMap = None,
                      tied: Optional[Mapping[str, str]] = None) -> List[str]:
     """The names iter_checkpoint would yield, in order, without reading any tensor data."""
     plan = _plan(os.fspath(path), key_map, tied)
@@ -212,7 +212,7 @@ def checkpoint_names(path: os.PathLike, *, key_map: KeyMap = None,
     return out
 
 
-def checkpoint_shapes(path: os.PathLike, *, key_map: KeyMap = None) -> Optional[Dict[str, Tuple[int, ...]]]:
+def checkpoint_shapes(path: str | os.PathLike, *, key_map: KeyMap = None) -> Optional[Dict[str, Tuple[int, ...]]]:
     """{name: stored shape} in read order, from the headers alone (names after key_map), or None
     for a format whose shapes need reading the tensors (torch pickles, bundles)."""
     plan = _plan(os.fspath(path), key_map, None)
@@ -308,7 +308,7 @@ class _ReadAhead:
         self._thread.join()
 
 
-def iter_checkpoint(path: os.PathLike, *, key_map: KeyMap = None, convert: Convert = None,
+def iter_checkpoint(path: str | os.PathLike, *, key_map: KeyMap = None, convert: Convert = None,
                     dtype: Optional[torch.dtype] = None, tied: Optional[Mapping[str, str]] = None,
                     nonfinite: str = "error", read_ahead: int = 1,
                     read_ahead_bytes: Optional[int] = None,
@@ -421,7 +421,7 @@ def _model_slots(model: torch.nn.Module):
     return slots
 
 
-def load_checkpoint(path: os.PathLike, model: torch.nn.Module, *, key_map: KeyMap = None,
+def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module, *, key_map: KeyMap = None,
                     convert: Convert = None, dtype: Optional[torch.dtype] = None,
                     tied: Optional[Mapping[str, str]] = None, strict: bool = True,
                     nonfinite: str = "error") -> LoadResult:

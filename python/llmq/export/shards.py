@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
 
@@ -31,8 +31,8 @@ class ShardWriter:
         self.folder = folder
         self._open: Optional[StreamingShardFile] = None
         self._shards: List[Dict[str, int]] = []  # per shard: name -> nbytes
-        self._seen = set()
-        self._done = set()  # names in shards completed by an earlier, interrupted run
+        self._seen: Set[str] = set()
+        self._done: Set[str] = set()  # names in shards completed by an earlier, interrupted run
         self.total_bytes = 0
         self.skipped = 0
 
