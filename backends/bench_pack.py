@@ -131,7 +131,7 @@ def main(argv=None) -> int:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     io_rate = in_bytes / min(times[cases[0][0]]) if cases[0][0] in times else None
-    print(f"\n| target | best ms | median ms | GB/s (best) | x I/O only |")
+    print("\n| target | best ms | median ms | GB/s (best) | x I/O only |")
     print("|---|---|---|---|---|")
     for name, ts in times.items():
         best, med = min(ts), statistics.median(ts)

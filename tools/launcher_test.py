@@ -148,7 +148,7 @@ def error_line(proc):
     """The launcher failed: non-zero status and exactly one "llmq: error:" line, the last one."""
     assert proc.returncode != 0, proc.stderr_text
     lines = proc.stderr_text.splitlines()
-    errors = [l for l in lines if l.startswith("llmq: error:")]
+    errors = [line for line in lines if line.startswith("llmq: error:")]
     assert len(errors) == 1, f"want exactly one 'llmq: error:' line, got:\n{proc.stderr_text}"
     assert lines[-1] == errors[0], f"the error line must come last:\n{proc.stderr_text}"
     return errors[0]

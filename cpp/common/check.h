@@ -9,12 +9,12 @@ inline int& check_failures() {
   return failures;
 }
 
-#define CHECK(cond, ...)                                          \
-  do {                                                            \
-    if (!(cond)) {                                                \
-      std::fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__);   \
-      std::fprintf(stderr, __VA_ARGS__);                          \
-      std::fprintf(stderr, "\n");                                 \
-      ++check_failures();                                         \
-    }                                                             \
+#define CHECK(cond, ...)                                        \
+  do {                                                          \
+    if (!(cond)) {                                              \
+      std::fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__); \
+      std::fprintf(stderr, __VA_ARGS__);                        \
+      std::fprintf(stderr, "\n");                               \
+      ++check_failures();                                       \
+    }                                                           \
   } while (0)

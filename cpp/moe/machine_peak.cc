@@ -119,8 +119,7 @@ double measure_read_gbps(int threads, int64_t bytes, int repeats) {
   const int64_t part = bytes / threads / 256 * 256;
   // first touch by the reading threads (pages land where they are read)
   std::vector<std::thread> pool;
-  for (int t = 0; t < threads; ++t)
-    pool.emplace_back([&, t] { std::memset(buf.data() + t * part, t + 1, part); });
+  for (int t = 0; t < threads; ++t) pool.emplace_back([&, t] { std::memset(buf.data() + t * part, t + 1, part); });
   for (auto& th : pool) th.join();
   double best = 0;
   std::vector<int64_t> sinks(threads);

@@ -86,8 +86,8 @@ bool has_shape(const Tensor& t, const std::vector<int64_t>& shape) {
 }
 
 void expect(const Tensor& t, const char* name, ScalarType dtype, const std::vector<int64_t>& shape) {
-  check(t.scalar_type() == dtype && has_shape(t, shape), name, " must be ", dtype_name(dtype), " ",
-        shape_str(shape), ", got ", dtype_name(t.scalar_type()), " ", shape_str(t));
+  check(t.scalar_type() == dtype && has_shape(t, shape), name, " must be ", dtype_name(dtype), " ", shape_str(shape),
+        ", got ", dtype_name(t.scalar_type()), " ", shape_str(t));
 }
 
 ArgTensor arg(const Tensor& t) {
@@ -103,8 +103,8 @@ void check_matrix(const Tensor& q, const Tensor& sb, const std::string& name, in
 }
 
 QMatrix matrix(const Tensor& q, const Tensor& sb, int64_t n, int64_t k, int64_t bits, int64_t gs) {
-  return QMatrix::over(q.const_data_ptr<uint8_t>(), sb.const_data_ptr(), sb.scalar_type() == ScalarType::BFloat16,
-                       n, k, bits, gs);
+  return QMatrix::over(q.const_data_ptr<uint8_t>(), sb.const_data_ptr(), sb.scalar_type() == ScalarType::BFloat16, n, k,
+                       bits, gs);
 }
 
 const Tensor* optional_tensor(EValue* v) { return v->isNone() ? nullptr : &v->toTensor(); }
@@ -151,8 +151,8 @@ void run(EValue** args, Tensor& out) {
     check(sigmoid, "expert_bias (selection-only bias) is used with score_func='sigmoid'");
     expect(*expert_bias, "expert_bias", ScalarType::Float, {e});
   }
-  check(w13_qdata.dim() == 3 && w13_qdata.size(0) == e, "w13_qdata must be uint8 [E=", e,
-        ", 2F/16, 16*D*bits/8], got ", shape_str(w13_qdata));
+  check(w13_qdata.dim() == 3 && w13_qdata.size(0) == e, "w13_qdata must be uint8 [E=", e, ", 2F/16, 16*D*bits/8], got ",
+        shape_str(w13_qdata));
   const int64_t f = w13_qdata.size(1) * 8;
   check(group_size <= 0 || d % group_size == 0, "group_size ", group_size, " does not divide the hidden size D=", d);
   check(group_size <= 0 || f % group_size == 0, "group_size ", group_size,
@@ -162,8 +162,8 @@ void run(EValue** args, Tensor& out) {
   check(w13_sb.scalar_type() == w2_sb.scalar_type(),
         "routed w13_sb and w2_sb must share a dtype (float32 or bfloat16), got ", dtype_name(w13_sb.scalar_type()),
         " and ", dtype_name(w2_sb.scalar_type()));
-  const int given = int(shared_w13_qdata != nullptr) + int(shared_w13_sb != nullptr) +
-                    int(shared_w2_qdata != nullptr) + int(shared_w2_sb != nullptr);
+  const int given = int(shared_w13_qdata != nullptr) + int(shared_w13_sb != nullptr) + int(shared_w2_qdata != nullptr) +
+                    int(shared_w2_sb != nullptr);
   int64_t fs = 0;
   if (given) {
     check(given == 4, "give all four shared expert tensors (w13/w2 qdata and sb) or none");
@@ -181,8 +181,8 @@ void run(EValue** args, Tensor& out) {
   }
   check(num_threads >= 0, "num_threads must be >= 0 (0 = all hardware threads in a .pte), got ", num_threads);
   check(out.scalar_type() == ScalarType::Float, "out must be float32, got ", dtype_name(out.scalar_type()));
-  check(executorch::runtime::resize_tensor(out, x.sizes()) == Error::Ok, "out cannot be resized to ",
-        shape_str(x), " (its planned size is ", shape_str(out), ")");
+  check(executorch::runtime::resize_tensor(out, x.sizes()) == Error::Ok, "out cannot be resized to ", shape_str(x),
+        " (its planned size is ", shape_str(out), ")");
 
   MoEArgs a = MoEArgs::routed(x.const_data_ptr<float>(), x.size(0), d, router_weight.const_data_ptr<float>(),
                               expert_bias ? expert_bias->const_data_ptr<float>() : nullptr, e, top_k,

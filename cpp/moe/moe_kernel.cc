@@ -35,9 +35,8 @@ namespace llmq_moe {
 Isa detect_isa() {
 #if LLMQ_X86
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-      __builtin_cpu_supports("avx512vnni"))
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vnni"))
     return Isa::kAvx512Vnni;
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::kAvx2;
 #endif
@@ -82,8 +81,8 @@ static std::string shape_str(const std::vector<int64_t>& shape) {
   return out + "]";
 }
 
-std::string check_packed_matrix(const ArgTensor& q, const ArgTensor& sb, const std::string& name, int64_t e,
-                                int64_t n, int64_t k, int64_t bits, int64_t group_size) {
+std::string check_packed_matrix(const ArgTensor& q, const ArgTensor& sb, const std::string& name, int64_t e, int64_t n,
+                                int64_t k, int64_t bits, int64_t group_size) {
   const std::string layout = check_layout(n, k, bits, group_size);
   if (!layout.empty()) return name + " " + layout;
   const std::vector<int64_t> q_shape{e, n / 16, 16 * k * bits / 8};
@@ -96,8 +95,8 @@ std::string check_packed_matrix(const ArgTensor& q, const ArgTensor& sb, const s
   return "";
 }
 
-void pack_matrix(const uint8_t* q, const float* scale, const float* bias, int64_t n, int64_t k,
-                 int bits, int group_size, uint8_t* out_q, float* out_sb) {
+void pack_matrix(const uint8_t* q, const float* scale, const float* bias, int64_t n, int64_t k, int bits,
+                 int group_size, uint8_t* out_q, float* out_sb) {
   std::string err = check_layout(n, k, bits, group_size);
   if (!err.empty()) throw std::invalid_argument(err);
   const int64_t groups = k / group_size;
@@ -117,8 +116,7 @@ void pack_matrix(const uint8_t* q, const float* scale, const float* bias, int64_
           for (int j = 0; j < 4; ++j) {
             const int64_t row = t * 16 + r;
             dst[r * 4 + j] = bits == 8 ? qat(row, k0 + j)
-                                       : static_cast<uint8_t>(qat(row, k0 + j) |
-                                                              (qat(row, k0 + 4 + j) << 4));
+                                       : static_cast<uint8_t>(qat(row, k0 + j) | (qat(row, k0 + 4 + j) << 4));
           }
         }
       }
@@ -256,8 +254,7 @@ void quantize_row_scalar(const float* x, int64_t k, int gs, int8_t* xq, float* a
 }
 
 #if LLMQ_X86
-LLMQ_AVX512 void quantize_row_avx512(const float* x, int64_t k, int gs, int8_t* xq, float* ascale,
-                                     float* asum) {
+LLMQ_AVX512 void quantize_row_avx512(const float* x, int64_t k, int gs, int8_t* xq, float* ascale, float* asum) {
   const __m512 sign = _mm512_set1_ps(-0.0f);
   for (int64_t g = 0; g < k / gs; ++g) {
     const float* xg = x + g * gs;
@@ -331,8 +328,7 @@ LLMQ_AVX2 void quantize_row_avx2(const float* x, int64_t k, int gs, int8_t* xq, 
 
 }  // namespace
 
-void quantize_row(const float* x, int64_t k, int group_size, int8_t* xq, float* ascale, float* asum,
-                  Isa isa) {
+void quantize_row(const float* x, int64_t k, int group_size, int8_t* xq, float* ascale, float* asum, Isa isa) {
   isa = resolve(isa);
 #if LLMQ_X86
   if (isa == Isa::kAvx512Vnni) return quantize_row_avx512(x, k, group_size, xq, ascale, asum);
@@ -491,16 +487,15 @@ LLMQ_AVX512 void tile_avx512(const QMatrix& w, const int64_t* tiles, const int8_
         const float as = a * asum[i][g];
         float* o = out + i * NT * 16 + t * 16;
         __m512 tmp = _mm512_fmadd_ps(bi, _mm512_set1_ps(as), _mm512_loadu_ps(o));
-        _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[t][i]),
-                                            _mm512_mul_ps(sc, _mm512_set1_ps(a)), tmp));
+        _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[t][i]), _mm512_mul_ps(sc, _mm512_set1_ps(a)), tmp));
       }
     }
   }
 }
 
 template <int NT, int BITS>
-void tile_dispatch_m(const QMatrix& w, const int64_t* tiles, const int8_t* const* xq,
-                     const float* const* ascale, const float* const* asum, int m, float* out) {
+void tile_dispatch_m(const QMatrix& w, const int64_t* tiles, const int8_t* const* xq, const float* const* ascale,
+                     const float* const* asum, int m, float* out) {
   switch (m) {
     case 1: return tile_avx512<1, NT, BITS>(w, tiles, xq, ascale, asum, out);
     case 2: return tile_avx512<2, NT, BITS>(w, tiles, xq, ascale, asum, out);
@@ -596,8 +591,8 @@ LLMQ_AVX2 void tile_avx2(const QMatrix& w, int64_t tile, const int8_t* const* xq
     for (int h = 0; h < 2; ++h) _mm256_storeu_ps(out + i * ldo + h * 8, acc[i][h]);
 }
 
-void gemm_tile_avx2(const QMatrix& w, const int64_t* tiles, int nt, const int8_t* const* xq,
-                    const float* const* ascale, const float* const* asum, int m, float* out) {
+void gemm_tile_avx2(const QMatrix& w, const int64_t* tiles, int nt, const int8_t* const* xq, const float* const* ascale,
+                    const float* const* asum, int m, float* out) {
   const int ldo = nt * 16;
   for (int t = 0; t < nt; ++t)
     for (int i = 0; i < m; i += 2) {
@@ -615,8 +610,7 @@ void gemm_tile_avx2(const QMatrix& w, const int64_t* tiles, int nt, const int8_t
 #endif
 
 void gemm_tile_resolved(const QMatrix& w, const int64_t* tiles, int nt, const int8_t* const* xq,
-                        const float* const* ascale, const float* const* asum, int m, float* out,
-                        Isa isa) {
+                        const float* const* ascale, const float* const* asum, int m, float* out, Isa isa) {
 #if LLMQ_X86
   if (isa == Isa::kAvx512Vnni) return gemm_tile_avx512(w, tiles, nt, xq, ascale, asum, m, out);
   if (isa == Isa::kAvx2) return gemm_tile_avx2(w, tiles, nt, xq, ascale, asum, m, out);
@@ -639,8 +633,8 @@ void gemm_tile_pair(const QMatrix& w, const int64_t* tiles, const int8_t* const*
 
 }  // namespace
 
-void gemm_tile(const QMatrix& w, const int64_t* tiles, int nt, const int8_t* const* xq,
-               const float* const* ascale, const float* const* asum, int m, float* out, Isa isa) {
+void gemm_tile(const QMatrix& w, const int64_t* tiles, int nt, const int8_t* const* xq, const float* const* ascale,
+               const float* const* asum, int m, float* out, Isa isa) {
   if (nt < 1 || nt > 2 || m < 1 || m > kMaxM)
     throw std::invalid_argument("gemm_tile: nt must be 1..2 and m 1.." + std::to_string(kMaxM));
   std::string err = check_layout(w.n, w.k, w.bits, w.group_size);
@@ -654,8 +648,8 @@ namespace {
 
 // logits[t][e] for a block of up to 4 tokens x 4 weight rows; 16 lane-wise fma chains per
 // pair, then the 16 lanes summed in order (so all paths agree exactly).
-void router_block_scalar(const float* const* xs, int nx, const float* const* ws, int nw, int64_t d,
-                         float* out, int64_t ldo) {
+void router_block_scalar(const float* const* xs, int nx, const float* const* ws, int nw, int64_t d, float* out,
+                         int64_t ldo) {
   for (int a = 0; a < nx; ++a)
     for (int b = 0; b < nw; ++b) {
       float lanes[16] = {0};
@@ -715,8 +709,7 @@ void router_block_avx512(const float* const* xs, int nx, const float* const* ws,
 // AVX2: each 16-lane partial sum of the AVX-512 version is two 8-lane halves here, so
 // the per-lane fma chains and the final in-order lane sum are the same.
 template <int NX, int NW>
-LLMQ_AVX2 void router_block_avx2_t(const float* const* xs, const float* const* ws, int64_t d, float* out,
-                                   int64_t ldo) {
+LLMQ_AVX2 void router_block_avx2_t(const float* const* xs, const float* const* ws, int64_t d, float* out, int64_t ldo) {
   __m256 acc[NX][NW][2];
   for (int a = 0; a < NX; ++a)
     for (int b = 0; b < NW; ++b) acc[a][b][0] = acc[a][b][1] = _mm256_setzero_ps();
@@ -776,8 +769,8 @@ void axpy32(float w, const float* y, float* o, Isa isa) {
   for (int c = 0; c < 32; ++c) o[c] = std::fma(w, y[c], o[c]);
 }
 
-void router_block(const float* const* xs, int nx, const float* const* ws, int nw, int64_t d,
-                  float* out, int64_t ldo, Isa isa) {
+void router_block(const float* const* xs, int nx, const float* const* ws, int nw, int64_t d, float* out, int64_t ldo,
+                  Isa isa) {
 #if LLMQ_X86
   if (isa == Isa::kAvx512Vnni) return router_block_avx512(xs, nx, ws, nw, d, out, ldo);
   if (isa == Isa::kAvx2) return router_block_avx2(xs, nx, ws, nw, d, out, ldo);
@@ -826,9 +819,8 @@ void check_matrix(const QMatrix& m, int64_t n, int64_t k, const char* what) {
   if (!m.qdata || (!m.sb && !m.sb16)) throw std::invalid_argument(std::string(what) + ": null buffer");
   if (m.sb && m.sb16) throw std::invalid_argument(std::string(what) + ": both float32 and bfloat16 scale/bias given");
   if (m.n != n || m.k != k)
-    throw std::invalid_argument(std::string(what) + ": expected [" + std::to_string(n) + ", " +
-                                std::to_string(k) + "], got [" + std::to_string(m.n) + ", " +
-                                std::to_string(m.k) + "]");
+    throw std::invalid_argument(std::string(what) + ": expected [" + std::to_string(n) + ", " + std::to_string(k) +
+                                "], got [" + std::to_string(m.n) + ", " + std::to_string(m.k) + "]");
   std::string err = check_layout(m.n, m.k, m.bits, m.group_size);
   if (!err.empty()) throw std::invalid_argument(std::string(what) + ": " + err);
 }
@@ -839,8 +831,8 @@ void validate(const MoEArgs& a) {
   if (!a.router) throw std::invalid_argument("router weight is null");
   if (a.experts <= 0) throw std::invalid_argument("num_experts must be positive");
   if (a.top_k < 1 || a.top_k > a.experts)
-    throw std::invalid_argument("top_k=" + std::to_string(a.top_k) + " must be in [1, num_experts=" +
-                                std::to_string(a.experts) + "]");
+    throw std::invalid_argument("top_k=" + std::to_string(a.top_k) +
+                                " must be in [1, num_experts=" + std::to_string(a.experts) + "]");
   if (a.hidden <= 0 || a.hidden % 16) throw std::invalid_argument("hidden size must be a multiple of 16");
   const int64_t f = a.w2.k;
   check_matrix(a.w13, 2 * f, a.hidden, "w13");
@@ -905,8 +897,7 @@ void route_all(const MoEArgs& a, Isa isa, Workspace& ws, bool shared_gate) {
     for (int64_t r = r0; r < std::min(rows, r0 + 32); r += 4) {
       const int nw = static_cast<int>(std::min<int64_t>(4, std::min(rows, r0 + 32) - r));
       const float* wrows[4];
-      for (int j = 0; j < nw; ++j)
-        wrows[j] = (r + j < e_count) ? a.router + (r + j) * d : a.shared_gate;
+      for (int j = 0; j < nw; ++j) wrows[j] = (r + j < e_count) ? a.router + (r + j) * d : a.shared_gate;
       router_block(xs, nx, wrows, nw, d, logits + t0 * rows + r, rows, isa);
     }
   });
@@ -922,8 +913,7 @@ void route(const MoEArgs& args, int32_t* idx, float* weights) {
   route_all(args, isa, ws, false);
   float* keys = grow(ws.keys, args.experts);
   for (int64_t t = 0; t < args.tokens; ++t)
-    route_token(ws.logits.data() + t * args.experts, args, idx + t * args.top_k,
-                weights + t * args.top_k, keys);
+    route_token(ws.logits.data() + t * args.experts, args, idx + t * args.top_k, weights + t * args.top_k, keys);
 }
 
 // ---------------------------------------------------------------- the op
@@ -991,8 +981,7 @@ void moe_ffn(const MoEArgs& a, float* out) {
     for (int64_t t = b * 8; t < std::min(T, b * 8 + 8); ++t) {
       route_token(ws.logits.data() + t * rows, a, idx + t * K, wts + t * K, kb);
       quantize_row(a.x + t * D, D, gs13, xq + t * D, x_scale + t * g13, x_sum + t * g13, isa);
-      if (separate_shared_q)
-        quantize_row(a.x + t * D, D, gss, xsq + t * D, xs_scale + t * gsh, xs_sum + t * gsh, isa);
+      if (separate_shared_q) quantize_row(a.x + t * D, D, gss, xsq + t * D, xs_scale + t * gsh, xs_sum + t * gsh, isa);
     }
   });
 
@@ -1021,8 +1010,7 @@ void moe_ffn(const MoEArgs& a, float* out) {
   float* shared_w = nullptr;
   if (shared) {
     shared_w = grow(ws.shared_w, T);
-    for (int64_t t = 0; t < T; ++t)
-      shared_w[t] = shared_gate ? sigmoid_scalar(ws.logits[t * rows + E]) : 1.0f;
+    for (int64_t t = 0; t < T; ++t) shared_w[t] = shared_gate ? sigmoid_scalar(ws.logits[t * rows + E]) : 1.0f;
   }
 
   // 5. phase 1: h = silu(x W1^T) * (x W3^T), per (expert, 16-row tile); slots in blocks of 4
@@ -1074,8 +1062,7 @@ void moe_ffn(const MoEArgs& a, float* out) {
       }
       alignas(64) float gu[kMaxM * 32];
       gemm_tile_pair(w, tiles, rows_q, rows_s, rows_sum, static_cast<int>(m), gu, isa);
-      for (int i = 0; i < m; ++i)
-        swiglu16(gu + i * 32, gu + i * 32 + 16, hbuf + (first + b + i) * fdim + j * 16, isa);
+      for (int i = 0; i < m; ++i) swiglu16(gu + i * 32, gu + i * 32 + 16, hbuf + (first + b + i) * fdim + j * 16, isa);
     }
   });
 
@@ -1094,8 +1081,7 @@ void moe_ffn(const MoEArgs& a, float* out) {
   const int64_t rows_total = T * K + (shared ? T : 0);
   pool.parallel_for((rows_total + 15) / 16, nthreads, [&](int64_t b) {
     for (int64_t r = b * 16; r < std::min(rows_total, b * 16 + 16); ++r) {
-      if (r < T * K)
-        quantize_row(h + r * F, F, gs2, hq + r * F, h_scale + r * g2, h_sum + r * g2, isa);
+      if (r < T * K) quantize_row(h + r * F, F, gs2, hq + r * F, h_scale + r * g2, h_sum + r * g2, isa);
       else {
         const int64_t t = r - T * K;
         quantize_row(hs + t * Fs, Fs, gs2s, hsq + t * Fs, hs_scale + t * g2s, hs_sum + t * g2s, isa);
@@ -1107,9 +1093,8 @@ void moe_ffn(const MoEArgs& a, float* out) {
   // 7. phase 2: w2 GEMMs and the weighted sum over each token's experts, always in the same
   //    order (routed experts ascending, then the shared expert), so both schedules below
   //    give bit-identical results.
-  auto w2_block = [&](const QMatrix& w, const int64_t* tiles, int64_t first, int64_t count,
-                      const int8_t* q, const float* qs, const float* qsum, int64_t fdim, int64_t gstride,
-                      auto&& consume) {
+  auto w2_block = [&](const QMatrix& w, const int64_t* tiles, int64_t first, int64_t count, const int8_t* q,
+                      const float* qs, const float* qsum, int64_t fdim, int64_t gstride, auto&& consume) {
     for (int64_t b = 0, m = 0; b < count; b += m) {
       m = block_rows(count - b);
       const int8_t* rows_q[kMaxM];
@@ -1148,9 +1133,8 @@ void moe_ffn(const MoEArgs& a, float* out) {
         w2_block(w, tiles, offsets[e], offsets[e + 1] - offsets[e], hq, h_scale, h_sum, F, g2,
                  [&](int64_t r, const float* v) { std::memcpy(y + r * D + jp * 32, v, 32 * sizeof(float)); });
       } else {
-        w2_block(a.shared_w2, tiles, 0, T, hsq, hs_scale, hs_sum, Fs, g2s, [&](int64_t r, const float* v) {
-          std::memcpy(y + (T * K + r) * D + jp * 32, v, 32 * sizeof(float));
-        });
+        w2_block(a.shared_w2, tiles, 0, T, hsq, hs_scale, hs_sum, Fs, g2s,
+                 [&](int64_t r, const float* v) { std::memcpy(y + (T * K + r) * D + jp * 32, v, 32 * sizeof(float)); });
       }
     });
     timer.mark("w2");

@@ -99,24 +99,22 @@ struct ArgTensor {
 // e: its layout (check_layout), <name>_qdata uint8 [e, n/16, 16*k*bits/8] and <name>_sb float32 or bfloat16
 // [e, n/16, 32*k/gs]. Returns an empty string when they fit, else the message (worded as check_moe_args in
 // python/llmq/ops/moe_op.py words it, without the "quantized_moe_ffn: " prefix).
-std::string check_packed_matrix(const ArgTensor& q, const ArgTensor& sb, const std::string& name, int64_t e,
-                                int64_t n, int64_t k, int64_t bits, int64_t group_size);
+std::string check_packed_matrix(const ArgTensor& q, const ArgTensor& sb, const std::string& name, int64_t e, int64_t n,
+                                int64_t k, int64_t bits, int64_t group_size);
 
 // Canonical -> tiled. q: uint8 [N, K*bits/8] LSB-first bit stream, scale/bias float [N, K/gs].
 // out_q: N*K*bits/8 bytes, out_sb: 2*N*K/gs floats. Throws std::invalid_argument on bad layout.
-void pack_matrix(const uint8_t* q, const float* scale, const float* bias, int64_t n, int64_t k,
-                 int bits, int group_size, uint8_t* out_q, float* out_sb);
+void pack_matrix(const uint8_t* q, const float* scale, const float* bias, int64_t n, int64_t k, int bits,
+                 int group_size, uint8_t* out_q, float* out_sb);
 
 // Dynamic int8 activation quantization of one row x[k] with groups of gs.
-void quantize_row(const float* x, int64_t k, int group_size, int8_t* xq, float* ascale,
-                  float* asum, Isa isa);
+void quantize_row(const float* x, int64_t k, int group_size, int8_t* xq, float* ascale, float* asum, Isa isa);
 
 // The GEMM tile: out[m][16*nt + r] for m < M tokens and nt < NT tiles (NT in {1, 2},
 // M in [1, 4]) of a packed matrix, against quantized activations rows xq[m] (k int8,
 // ascale/asum [k/gs]). Exposed for the unit test; the op calls it internally.
-void gemm_tile(const QMatrix& w, const int64_t* tiles, int nt, const int8_t* const* xq,
-               const float* const* ascale, const float* const* asum, int m, float* out,
-               Isa isa);
+void gemm_tile(const QMatrix& w, const int64_t* tiles, int nt, const int8_t* const* xq, const float* const* ascale,
+               const float* const* asum, int m, float* out, Isa isa);
 
 enum class ScoreFunc : int { kSoftmax = 0, kSigmoid = 1 };
 
@@ -146,13 +144,21 @@ struct MoEArgs {
   Schedule schedule = Schedule::kAuto;
 
   // The routed part over caller-owned buffers (expert_bias may be null); the rest keeps its defaults.
-  static MoEArgs routed(const float* x, int64_t tokens, int64_t hidden, const float* router,
-                        const float* expert_bias, int64_t experts, int64_t top_k, ScoreFunc score,
-                        double route_scale, const QMatrix& w13, const QMatrix& w2) {
+  static MoEArgs routed(const float* x, int64_t tokens, int64_t hidden, const float* router, const float* expert_bias,
+                        int64_t experts, int64_t top_k, ScoreFunc score, double route_scale, const QMatrix& w13,
+                        const QMatrix& w2) {
     MoEArgs a;  // member by member: the header is also built as C++11 by consumers (no aggregate init here)
-    a.x = x; a.tokens = tokens; a.hidden = hidden; a.router = router; a.expert_bias = expert_bias;
-    a.experts = experts; a.top_k = top_k; a.score = score; a.route_scale = static_cast<float>(route_scale);
-    a.w13 = w13; a.w2 = w2;
+    a.x = x;
+    a.tokens = tokens;
+    a.hidden = hidden;
+    a.router = router;
+    a.expert_bias = expert_bias;
+    a.experts = experts;
+    a.top_k = top_k;
+    a.score = score;
+    a.route_scale = static_cast<float>(route_scale);
+    a.w13 = w13;
+    a.w2 = w2;
     return a;
   }
 };

@@ -14,7 +14,6 @@
 
 using namespace llmq_moe;
 
-
 struct Canonical {
   int64_t n, k;
   int bits, gs;

@@ -49,8 +49,8 @@ QMatrix matrix(uintptr_t q, uintptr_t sb, bool sb_bf16, int64_t n, int64_t k, in
   return m;
 }
 
-void pack(uintptr_t q, uintptr_t scale, uintptr_t bias, int64_t batch, int64_t n, int64_t k, int bits,
-          int gs, uintptr_t out_q, uintptr_t out_sb) {
+void pack(uintptr_t q, uintptr_t scale, uintptr_t bias, int64_t batch, int64_t n, int64_t k, int bits, int gs,
+          uintptr_t out_q, uintptr_t out_sb) {
   std::string err = check_layout(n, k, bits, gs);
   if (!err.empty()) throw std::invalid_argument(err);
   py::gil_scoped_release release;
@@ -88,10 +88,10 @@ MoEArgs make_args(const py::dict& d) {
     const int64_t fs = d["shared_intermediate"].cast<int64_t>();
     const int sbits = d["shared_bits"].cast<int>(), sgs = d["shared_group_size"].cast<int>();
     const bool sbf16 = d.contains("shared_sb_bf16") && d["shared_sb_bf16"].cast<bool>();
-    a.shared_w13 = matrix(d["shared_w13_q"].cast<uintptr_t>(), d["shared_w13_sb"].cast<uintptr_t>(), sbf16,
-                          2 * fs, a.hidden, sbits, sgs);
-    a.shared_w2 = matrix(d["shared_w2_q"].cast<uintptr_t>(), d["shared_w2_sb"].cast<uintptr_t>(), sbf16,
-                         a.hidden, fs, sbits, sgs);
+    a.shared_w13 = matrix(d["shared_w13_q"].cast<uintptr_t>(), d["shared_w13_sb"].cast<uintptr_t>(), sbf16, 2 * fs,
+                          a.hidden, sbits, sgs);
+    a.shared_w2 = matrix(d["shared_w2_q"].cast<uintptr_t>(), d["shared_w2_sb"].cast<uintptr_t>(), sbf16, a.hidden, fs,
+                         sbits, sgs);
     a.shared_gate = ptr<const float>(d["shared_gate"].cast<uintptr_t>());
   }
   a.num_threads = d["num_threads"].cast<int>();
@@ -116,16 +116,19 @@ void run_route(const py::dict& d, uintptr_t idx, uintptr_t weights) {
 
 PYBIND11_MODULE(_moe_kernel, m) {
   m.doc() = "llmq fused quantized MoE FFN kernel (raw-pointer API; use llmq.ops)";
-  m.def("best_isa", [] { return std::string(isa_name(detect_isa())); },
-        "The fastest instruction-set path this CPU supports.");
+  m.def(
+      "best_isa", [] { return std::string(isa_name(detect_isa())); },
+      "The fastest instruction-set path this CPU supports.");
   m.def("check_layout", &check_layout, "Empty string if (n, k, bits, group_size) can be packed.");
   m.def("pack", &pack, "Canonical [batch, n, k] -> tiled layout (see moe_kernel.h).");
   m.def("moe_ffn", &run_moe, "Run the op; arguments as a dict of addresses and sizes.");
   m.def("route", &run_route, "Router + scores + top-k only.");
-  m.def("set_op_isa", [](const std::string& name) { set_op_isa(parse_isa(name)); },
-        "Instruction-set path torch.ops.llmq.quantized_moe_ffn uses from now on.");
-  m.def("set_op_schedule", [](const std::string& name) { set_op_schedule(parse_schedule(name)); },
-        "w2 work split torch.ops.llmq.quantized_moe_ffn uses from now on.");
+  m.def(
+      "set_op_isa", [](const std::string& name) { set_op_isa(parse_isa(name)); },
+      "Instruction-set path torch.ops.llmq.quantized_moe_ffn uses from now on.");
+  m.def(
+      "set_op_schedule", [](const std::string& name) { set_op_schedule(parse_schedule(name)); },
+      "w2 work split torch.ops.llmq.quantized_moe_ffn uses from now on.");
   m.def(
       "op_settings",
       [] {

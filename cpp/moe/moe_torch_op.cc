@@ -51,21 +51,21 @@ std::string shape_str(at::IntArrayRef shape) {
 #define LLMQ_CHECK(cond, ...) TORCH_CHECK_VALUE(cond, "quantized_moe_ffn: ", __VA_ARGS__)
 
 void expect(const Tensor& t, const char* name, c10::ScalarType dtype, const std::vector<int64_t>& shape) {
-  LLMQ_CHECK(t.scalar_type() == dtype && t.sizes() == at::IntArrayRef(shape), name, " must be ",
-             dtype_name(dtype), " ", shape_str(shape), ", got ", dtype_name(t.scalar_type()), " ",
-             shape_str(t.sizes()));
+  LLMQ_CHECK(t.scalar_type() == dtype && t.sizes() == at::IntArrayRef(shape), name, " must be ", dtype_name(dtype), " ",
+             shape_str(shape), ", got ", dtype_name(t.scalar_type()), " ", shape_str(t.sizes()));
 }
 
 void check_sb_pair(const Tensor& a, const Tensor& b, const char* what) {
   LLMQ_CHECK(a.scalar_type() == b.scalar_type(), what,
-             " w13_sb and w2_sb must share a dtype (float32 or bfloat16), got ", dtype_name(a.scalar_type()),
-             " and ", dtype_name(b.scalar_type()));
+             " w13_sb and w2_sb must share a dtype (float32 or bfloat16), got ", dtype_name(a.scalar_type()), " and ",
+             dtype_name(b.scalar_type()));
 }
 
 void check_matrix(const Tensor& q, const Tensor& sb, const std::string& name, int64_t e, int64_t n, int64_t k,
                   int64_t bits, int64_t gs) {
   const std::string bad = check_packed_matrix({dtype_name(q.scalar_type()), q.sizes().vec()},
-                                              {dtype_name(sb.scalar_type()), sb.sizes().vec()}, name, e, n, k, bits, gs);
+                                              {dtype_name(sb.scalar_type()), sb.sizes().vec()}, name, e, n, k, bits,
+                                              gs);
   LLMQ_CHECK(bad.empty(), bad);
 }
 
@@ -79,12 +79,12 @@ QMatrix matrix(const Tensor& q, const Tensor& sb, int64_t n, int64_t k, int64_t 
 }
 
 Tensor quantized_moe_ffn_cpu(const Tensor& x, const Tensor& router_weight, const OptTensor& expert_bias,
-                             const Tensor& w13_qdata, const Tensor& w13_sb, const Tensor& w2_qdata,
-                             const Tensor& w2_sb, int64_t top_k, int64_t bits, int64_t group_size,
-                             c10::string_view score_func, double route_scale, const OptTensor& shared_w13_qdata,
-                             const OptTensor& shared_w13_sb, const OptTensor& shared_w2_qdata,
-                             const OptTensor& shared_w2_sb, const OptTensor& shared_gate_weight,
-                             int64_t shared_bits, int64_t shared_group_size, int64_t num_threads) {
+                             const Tensor& w13_qdata, const Tensor& w13_sb, const Tensor& w2_qdata, const Tensor& w2_sb,
+                             int64_t top_k, int64_t bits, int64_t group_size, c10::string_view score_func,
+                             double route_scale, const OptTensor& shared_w13_qdata, const OptTensor& shared_w13_sb,
+                             const OptTensor& shared_w2_qdata, const OptTensor& shared_w2_sb,
+                             const OptTensor& shared_gate_weight, int64_t shared_bits, int64_t shared_group_size,
+                             int64_t num_threads) {
   // ---- the checks of check_moe_args, in the same order
   LLMQ_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
              "x must be float32 or bfloat16 [T, D], got ", dtype_name(x.scalar_type()), " ", shape_str(x.sizes()));
@@ -129,13 +129,18 @@ Tensor quantized_moe_ffn_cpu(const Tensor& x, const Tensor& router_weight, const
   }
   LLMQ_CHECK(num_threads >= 0, "num_threads must be >= 0 (0 = torch.get_num_threads()), got ", num_threads);
   // (not in the fake kernel: meta tensors have no device to disagree about)
-  for (const auto& [t, name] : {std::pair<const Tensor*, const char*>{&x, "x"}, {&router_weight, "router_weight"},
-                                {&w13_qdata, "w13_qdata"}, {&w13_sb, "w13_sb"}, {&w2_qdata, "w2_qdata"},
+  for (const auto& [t, name] : {std::pair<const Tensor*, const char*>{&x, "x"},
+                                {&router_weight, "router_weight"},
+                                {&w13_qdata, "w13_qdata"},
+                                {&w13_sb, "w13_sb"},
+                                {&w2_qdata, "w2_qdata"},
                                 {&w2_sb, "w2_sb"}})
     check_cpu(*t, name);
   for (const auto& [t, name] : {std::pair<const OptTensor*, const char*>{&expert_bias, "expert_bias"},
-                                {&shared_w13_qdata, "shared_w13_qdata"}, {&shared_w13_sb, "shared_w13_sb"},
-                                {&shared_w2_qdata, "shared_w2_qdata"}, {&shared_w2_sb, "shared_w2_sb"},
+                                {&shared_w13_qdata, "shared_w13_qdata"},
+                                {&shared_w13_sb, "shared_w13_sb"},
+                                {&shared_w2_qdata, "shared_w2_qdata"},
+                                {&shared_w2_sb, "shared_w2_sb"},
                                 {&shared_gate_weight, "shared_gate_weight"}})
     if (t->has_value()) check_cpu(**t, name);
 

@@ -60,8 +60,7 @@ bool ThreadPool::try_join(uint64_t gen) {
   uint64_t v = join_.load(std::memory_order_acquire);
   for (;;) {
     if ((v >> 24) != (gen & ((uint64_t{1} << 40) - 1)) || (v & kClosed)) return false;
-    if (join_.compare_exchange_weak(v, v + 1, std::memory_order_acq_rel, std::memory_order_acquire))
-      return true;
+    if (join_.compare_exchange_weak(v, v + 1, std::memory_order_acq_rel, std::memory_order_acquire)) return true;
   }
 }
 

@@ -27,7 +27,6 @@ namespace llmq_quant {
 
 enum class Fp8Granularity { kTensor = 0, kChannel = 1, kBlock128 = 2 };
 
-
 // Empty if the layout is one the FP kernels handle (for `block`: 1, 16, 32 or 128), else a reason.
 std::string check_fp_args(const MatrixArgs& a, int64_t block);
 

@@ -202,8 +202,8 @@ inline void block_q6_k(const uint8_t* b, uint8_t* q, float* scale, float* bias) 
 
 // Blocks [b0, b1) with one block decoder (the type's switch is outside the loop).
 template <typename Block>
-void decode_loop(const GgufBlockInfo& info, const uint8_t* blocks, int64_t b0, int64_t b1, uint8_t* qdata,
-                 float* scale, float* bias, Block block) {
+void decode_loop(const GgufBlockInfo& info, const uint8_t* blocks, int64_t b0, int64_t b1, uint8_t* qdata, float* scale,
+                 float* bias, Block block) {
   const int qbytes = info.block * info.bits / 8, groups = info.block / info.group;
   for (int64_t i = b0; i < b1; ++i)
     block(blocks + i * info.block_bytes, qdata + i * qbytes, scale + i * groups, bias + i * groups);
@@ -214,14 +214,24 @@ void decode_range(GgufBlockType type, const GgufBlockInfo& info, const uint8_t* 
   auto run = [&](auto block) { decode_loop(info, blocks, b0, b1, qdata, scale, bias, block); };
   using u8 = uint8_t;
   switch (type) {
-    case GgufBlockType::kQ4_0: run([](const u8* b, u8* q, float* s, float* m) { block_q4_01(b, false, q, s, m); }); break;
-    case GgufBlockType::kQ4_1: run([](const u8* b, u8* q, float* s, float* m) { block_q4_01(b, true, q, s, m); }); break;
-    case GgufBlockType::kQ5_0: run([](const u8* b, u8* q, float* s, float* m) { block_q5_01(b, false, q, s, m); }); break;
-    case GgufBlockType::kQ5_1: run([](const u8* b, u8* q, float* s, float* m) { block_q5_01(b, true, q, s, m); }); break;
+    case GgufBlockType::kQ4_0:
+      run([](const u8* b, u8* q, float* s, float* m) { block_q4_01(b, false, q, s, m); });
+      break;
+    case GgufBlockType::kQ4_1:
+      run([](const u8* b, u8* q, float* s, float* m) { block_q4_01(b, true, q, s, m); });
+      break;
+    case GgufBlockType::kQ5_0:
+      run([](const u8* b, u8* q, float* s, float* m) { block_q5_01(b, false, q, s, m); });
+      break;
+    case GgufBlockType::kQ5_1:
+      run([](const u8* b, u8* q, float* s, float* m) { block_q5_01(b, true, q, s, m); });
+      break;
     case GgufBlockType::kQ8_0: run([](const u8* b, u8* q, float* s, float* m) { block_q8_0(b, q, s, m); }); break;
     case GgufBlockType::kQ2_K: run([](const u8* b, u8* q, float* s, float* m) { block_q2_k(b, q, s, m); }); break;
     case GgufBlockType::kQ3_K: run([](const u8* b, u8* q, float* s, float* m) { block_q3_k(b, q, s, m); }); break;
-    case GgufBlockType::kQ4_K: run([](const u8* b, u8* q, float* s, float* m) { block_qk45(b, false, q, s, m); }); break;
+    case GgufBlockType::kQ4_K:
+      run([](const u8* b, u8* q, float* s, float* m) { block_qk45(b, false, q, s, m); });
+      break;
     case GgufBlockType::kQ5_K: run([](const u8* b, u8* q, float* s, float* m) { block_qk45(b, true, q, s, m); }); break;
     case GgufBlockType::kQ6_K: run([](const u8* b, u8* q, float* s, float* m) { block_q6_k(b, q, s, m); }); break;
   }
@@ -233,8 +243,8 @@ bool parse_gguf_block_type(const std::string& name, GgufBlockType* out) {
   static const std::pair<const char*, GgufBlockType> kNames[] = {
       {"Q4_0", GgufBlockType::kQ4_0}, {"Q4_1", GgufBlockType::kQ4_1}, {"Q5_0", GgufBlockType::kQ5_0},
       {"Q5_1", GgufBlockType::kQ5_1}, {"Q8_0", GgufBlockType::kQ8_0}, {"Q2_K", GgufBlockType::kQ2_K},
-      {"Q3_K", GgufBlockType::kQ3_K}, {"Q4_K", GgufBlockType::kQ4_K},
-      {"Q5_K", GgufBlockType::kQ5_K}, {"Q6_K", GgufBlockType::kQ6_K}};
+      {"Q3_K", GgufBlockType::kQ3_K}, {"Q4_K", GgufBlockType::kQ4_K}, {"Q5_K", GgufBlockType::kQ5_K},
+      {"Q6_K", GgufBlockType::kQ6_K}};
   for (const auto& [n, t] : kNames)
     if (name == n) {
       *out = t;

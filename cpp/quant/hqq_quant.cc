@@ -117,9 +117,8 @@ HQQ_INLINE float update_zero(const float* w, const float* q, const float* x, con
     }
   }
   if (a != nullptr) {
-    const double sum = lane_sum(n, [&](int64_t j) {
-      return static_cast<double>(q[j] - (w[j] - we[j]) * inv) * static_cast<double>(a[j]);
-    });
+    const double sum = lane_sum(
+        n, [&](int64_t j) { return static_cast<double>(q[j] - (w[j] - we[j]) * inv) * static_cast<double>(a[j]); });
     return static_cast<float>(sum / a_sum);
   }
   const double sum = lane_sum(n, [&](int64_t j) { return static_cast<double>(q[j] - (w[j] - we[j]) * inv); });

@@ -27,9 +27,7 @@ inline uint64_t load64(const uint8_t* p) {
 // (odd, tq) takes k = 16u + 2tq + odd (low nibble) and k + 8 (high nibble):
 //   odd 0: low nibbles of the low word's bytes | low nibbles of the high word's bytes << 4
 //   odd 1: the high nibbles likewise.
-inline uint32_t odd0(uint64_t x) {
-  return static_cast<uint32_t>((x & 0x0F0F0F0Full) | ((x >> 28) & 0xF0F0F0F0ull));
-}
+inline uint32_t odd0(uint64_t x) { return static_cast<uint32_t>((x & 0x0F0F0F0Full) | ((x >> 28) & 0xF0F0F0F0ull)); }
 inline uint32_t odd1(uint64_t x) {
   return static_cast<uint32_t>(((x >> 4) & 0x0F0F0F0Full) | ((x >> 32) & 0xF0F0F0F0ull));
 }
@@ -154,8 +152,8 @@ void pack_tiles(const uint8_t* src, int64_t n, int64_t kbytes, int t, int32_t* d
 
 }  // namespace
 
-void pack_int4_mma_tiles(const uint8_t* src, int64_t batch, int64_t n, int64_t kbytes, int t, int32_t* dst,
-                         int threads, bool allow_simd) {
+void pack_int4_mma_tiles(const uint8_t* src, int64_t batch, int64_t n, int64_t kbytes, int t, int32_t* dst, int threads,
+                         bool allow_simd) {
 #ifdef LLMQ_TILES_X86
   __builtin_cpu_init();
   const bool simd = allow_simd && __builtin_cpu_supports("ssse3");
@@ -163,7 +161,8 @@ void pack_int4_mma_tiles(const uint8_t* src, int64_t batch, int64_t n, int64_t k
   const bool simd = false;
   (void)allow_simd;
 #endif
-  if (t != 2 && t != 4 && t != 8) throw std::invalid_argument("inner_k_tiles must be 2, 4 or 8, got " + std::to_string(t));
+  if (t != 2 && t != 4 && t != 8)
+    throw std::invalid_argument("inner_k_tiles must be 2, 4 or 8, got " + std::to_string(t));
   if (batch < 0 || n < 0 || kbytes < 0 || (kbytes * 2) % (16 * t))
     throw std::invalid_argument("K=" + std::to_string(kbytes * 2) + " is not a multiple of 16*inner_k_tiles");
   const int64_t tiles_per_matrix = (n + 7) / 8, total = batch * tiles_per_matrix;
@@ -178,8 +177,8 @@ void pack_int4_mma_tiles(const uint8_t* src, int64_t batch, int64_t n, int64_t k
   }
   std::vector<std::thread> pool;
   for (int64_t p = 1; p < parts; ++p)
-    pool.emplace_back(pack_tiles, src, n, kbytes, t, dst, tiles_per_matrix, total * p / parts,
-                      total * (p + 1) / parts, simd);
+    pool.emplace_back(pack_tiles, src, n, kbytes, t, dst, tiles_per_matrix, total * p / parts, total * (p + 1) / parts,
+                      simd);
   pack_tiles(src, n, kbytes, t, dst, tiles_per_matrix, 0, total / parts, simd);
   for (auto& th : pool) th.join();
 }

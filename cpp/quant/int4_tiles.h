@@ -15,7 +15,7 @@ namespace llmq_quant {
 // (0 = default_threads()). allow_simd = false forces the portable scalar path (the SSSE3
 // path, used where the CPU has it, gives the same bytes; both are tested). Throws
 // std::invalid_argument on bad sizes.
-void pack_int4_mma_tiles(const uint8_t* src, int64_t batch, int64_t n, int64_t kbytes, int t, int32_t* dst,
-                         int threads, bool allow_simd = true);
+void pack_int4_mma_tiles(const uint8_t* src, int64_t batch, int64_t n, int64_t kbytes, int t, int32_t* dst, int threads,
+                         bool allow_simd = true);
 
 }  // namespace llmq_quant

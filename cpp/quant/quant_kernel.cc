@@ -161,8 +161,7 @@ __attribute__((target("avx2,f16c"))) inline __m256 load8(const void* base, int64
 }
 
 template <InputType T>
-__attribute__((target("avx2,f16c"))) bool minmax_avx2(const void* w, int64_t begin, int64_t end, float* mn,
-                                                      float* mx) {
+__attribute__((target("avx2,f16c"))) bool minmax_avx2(const void* w, int64_t begin, int64_t end, float* mn, float* mx) {
   __m256 vmin = _mm256_set1_ps(INFINITY), vmax = _mm256_set1_ps(-INFINITY);
   __m256 vnan = _mm256_setzero_ps();  // x - x is +0 for finite x, NaN for NaN/Inf
   int64_t i = begin;
@@ -189,8 +188,8 @@ __attribute__((target("avx2,f16c"))) bool minmax_avx2(const void* w, int64_t beg
 }
 
 template <InputType T>
-__attribute__((target("avx2,f16c"))) void quantize_avx2(const void* w, int64_t begin, int64_t end,
-                                                        const GroupParams& p, float qmax, uint8_t* q) {
+__attribute__((target("avx2,f16c"))) void quantize_avx2(const void* w, int64_t begin, int64_t end, const GroupParams& p,
+                                                        float qmax, uint8_t* q) {
   const __m256 vinv = _mm256_set1_ps(p.inv), vadd = _mm256_set1_ps(p.add);
   const __m256 vlo = _mm256_setzero_ps(), vhi = _mm256_set1_ps(qmax);
   auto codes = [&](int64_t i) __attribute__((target("avx2,f16c"))) {
@@ -230,7 +229,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,f16c"))) inline __m512
 
 template <InputType T>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,f16c"))) bool minmax_avx512(const void* w, int64_t begin,
-                                                                             int64_t end, float* mn, float* mx) {
+                                                                                      int64_t end, float* mn,
+                                                                                      float* mx) {
   __m512 vmin = _mm512_set1_ps(INFINITY), vmax = _mm512_set1_ps(-INFINITY);
   __m512i vnan = _mm512_setzero_si512();
   int64_t i = begin;
@@ -259,13 +259,15 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,f16c"))) bool minmax_a
 
 template <InputType T>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,f16c"))) void quantize_avx512(const void* w, int64_t begin,
-                                                                               int64_t end, const GroupParams& p,
-                                                                               float qmax, uint8_t* q) {
+                                                                                        int64_t end,
+                                                                                        const GroupParams& p,
+                                                                                        float qmax, uint8_t* q) {
   const __m512 vinv = _mm512_set1_ps(p.inv), vadd = _mm512_set1_ps(p.add);
   const __m512 vlo = _mm512_setzero_ps(), vhi = _mm512_set1_ps(qmax);
   int64_t i = begin;
   for (; i + 16 <= end; i += 16) {
-    __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(load16<T>(w, i), vinv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(load16<T>(w, i), vinv),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     r = _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(r, vadd), vlo), vhi);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + (i - begin)), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(r)));
   }
@@ -307,8 +309,8 @@ void pack_row(const uint8_t* q, int64_t k, int bits, uint8_t* out) {
 #define LLMQ_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,f16c")))
 
 // Parameters for groups [0, n) from mn/mx; false if a range overflows float32.
-LLMQ_AVX512 bool params_avx512(const float* mn, const float* mx, int64_t n, int bits, bool symmetric,
-                               float* scale, float* bias, float* inv, float* add) {
+LLMQ_AVX512 bool params_avx512(const float* mn, const float* mx, int64_t n, int bits, bool symmetric, float* scale,
+                               float* bias, float* inv, float* add) {
   const __m512 zero = _mm512_setzero_ps(), fmin = _mm512_set1_ps(FLT_MIN), one = _mm512_set1_ps(1.0f);
   int64_t g = 0;
   for (; g + 16 <= n; g += 16) {
@@ -478,19 +480,16 @@ RowFn avx512_row_for(InputType t) {
   return nullptr;
 #else
   switch (t) {
-    case InputType::kBFloat16:
-      return &row_avx512<InputType::kBFloat16>;
-    case InputType::kFloat16:
-      return &row_avx512<InputType::kFloat16>;
-    default:
-      return &row_avx512<InputType::kFloat32>;
+    case InputType::kBFloat16: return &row_avx512<InputType::kBFloat16>;
+    case InputType::kFloat16: return &row_avx512<InputType::kFloat16>;
+    default: return &row_avx512<InputType::kFloat32>;
   }
 #endif
 }
 
 // One row through the per-group sweeps (portable and AVX2 paths).
-Status row_by_groups(const QuantizeArgs& a, const Sweeps& s, const void* row, uint8_t* out, float* scale,
-                     float* bias, const float* given_sc, const float* given_z, RowScratch* scratch) {
+Status row_by_groups(const QuantizeArgs& a, const Sweeps& s, const void* row, uint8_t* out, float* scale, float* bias,
+                     const float* given_sc, const float* given_z, RowScratch* scratch) {
   const int64_t k = a.k, gs = a.group_size, groups = k / gs;
   const float qmax = static_cast<float>((1 << a.bits) - 1);
   uint8_t* q = a.bits == 8 ? out : scratch->codes.data();
@@ -501,8 +500,7 @@ Status row_by_groups(const QuantizeArgs& a, const Sweeps& s, const void* row, ui
       p = given_params(given_sc[g], given_z ? given_z[g] : 0.0f, a.bits, a.symmetric);
     } else {
       float mn = INFINITY, mx = -INFINITY;
-      if (!s.minmax(row, begin, end, &mn, &mx) || !std::isfinite(mn) || !std::isfinite(mx))
-        return Status::kNotFinite;
+      if (!s.minmax(row, begin, end, &mn, &mx) || !std::isfinite(mn) || !std::isfinite(mx)) return Status::kNotFinite;
       if (!group_params(mn, mx, a.bits, a.symmetric, &p)) return Status::kRangeOverflow;
     }
     s.quant(row, begin, end, p, qmax, q + begin);
@@ -565,14 +563,10 @@ Isa detect_isa() {
 
 const char* isa_name(Isa isa) {
   switch (isa) {
-    case Isa::kAvx512:
-      return "avx512";
-    case Isa::kAvx2:
-      return "avx2";
-    case Isa::kScalar:
-      return "scalar";
-    default:
-      return "auto";
+    case Isa::kAvx512: return "avx512";
+    case Isa::kAvx2: return "avx2";
+    case Isa::kScalar: return "scalar";
+    default: return "auto";
   }
 }
 
@@ -618,10 +612,8 @@ Status quantize(const QuantizeArgs& a) {
     int64_t first_end = 0;
     for (int t = 0; t < threads; ++t) {
       const int64_t r1 = r0 + per + (t < extra ? 1 : 0);
-      if (t == 0)
-        first_end = r1;
-      else
-        pool.emplace_back(quantize_rows, std::cref(a), isa, r0, r1, &status);
+      if (t == 0) first_end = r1;
+      else pool.emplace_back(quantize_rows, std::cref(a), isa, r0, r1, &status);
       r0 = r1;
     }
     quantize_rows(a, isa, 0, first_end, &status);
@@ -632,9 +624,7 @@ Status quantize(const QuantizeArgs& a) {
 
 void to_float32(const void* data, InputType input, int64_t n, float* out) {
   switch (input) {
-    case InputType::kFloat32:
-      std::memcpy(out, data, static_cast<size_t>(n) * sizeof(float));
-      return;
+    case InputType::kFloat32: std::memcpy(out, data, static_cast<size_t>(n) * sizeof(float)); return;
     case InputType::kBFloat16:
       for (int64_t i = 0; i < n; ++i) out[i] = load_scalar<InputType::kBFloat16>(data, i);
       return;
@@ -677,10 +667,8 @@ NonFiniteCounts count_nonfinite(const void* data, InputType input, int64_t n) {
   switch (input) {
     case InputType::kFloat32:
       return count_bits<uint32_t, 0x7FFFFFFFu, 0x7F800000u>(static_cast<const uint32_t*>(data), n);
-    case InputType::kBFloat16:
-      return count_bits<uint16_t, 0x7FFF, 0x7F80>(static_cast<const uint16_t*>(data), n);
-    case InputType::kFloat16:
-      return count_bits<uint16_t, 0x7FFF, 0x7C00>(static_cast<const uint16_t*>(data), n);
+    case InputType::kBFloat16: return count_bits<uint16_t, 0x7FFF, 0x7F80>(static_cast<const uint16_t*>(data), n);
+    case InputType::kFloat16: return count_bits<uint16_t, 0x7FFF, 0x7C00>(static_cast<const uint16_t*>(data), n);
   }
   return {};
 }

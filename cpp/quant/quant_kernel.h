@@ -59,12 +59,9 @@ struct QuantizeArgs : MatrixArgs {
 template <typename F>
 auto dispatch_input(InputType t, F&& f) {
   switch (t) {
-    case InputType::kBFloat16:
-      return f(std::integral_constant<InputType, InputType::kBFloat16>{});
-    case InputType::kFloat16:
-      return f(std::integral_constant<InputType, InputType::kFloat16>{});
-    default:
-      return f(std::integral_constant<InputType, InputType::kFloat32>{});
+    case InputType::kBFloat16: return f(std::integral_constant<InputType, InputType::kBFloat16>{});
+    case InputType::kFloat16: return f(std::integral_constant<InputType, InputType::kFloat16>{});
+    default: return f(std::integral_constant<InputType, InputType::kFloat32>{});
   }
 }
 

@@ -19,7 +19,6 @@
 
 using namespace llmq_quant;
 
-
 using llmq_bits::bits_to_float;
 using llmq_bits::float_to_bits;
 struct Result {
@@ -101,7 +100,8 @@ static Status run(const void* w, InputType t, int64_t rows, int64_t k, int bits,
 static bool same(const Result& a, const Result& b) {
   if (a.q != b.q || a.scale.size() != b.scale.size()) return false;
   for (size_t i = 0; i < a.scale.size(); ++i)
-    if (float_to_bits(a.scale[i]) != float_to_bits(b.scale[i]) || float_to_bits(a.bias[i]) != float_to_bits(b.bias[i])) return false;
+    if (float_to_bits(a.scale[i]) != float_to_bits(b.scale[i]) || float_to_bits(a.bias[i]) != float_to_bits(b.bias[i]))
+      return false;
   return true;
 }
 
@@ -122,7 +122,9 @@ static void test_paths_match_reference() {
   std::normal_distribution<float> nd(0.0f, 1.0f);
   std::uniform_int_distribution<int> ed(-130, 100);
   const Isa best = detect_isa();
-  const struct { int64_t k, gs; } layouts[] = {{64, 16}, {96, 32}, {96, 24}, {128, 128}, {40, 40}, {512, 64}};
+  const struct {
+    int64_t k, gs;
+  } layouts[] = {{64, 16}, {96, 32}, {96, 24}, {128, 128}, {40, 40}, {512, 64}};
   for (const auto& l : layouts)
     for (int bits = 2; bits <= 8; ++bits)
       for (int sym = 0; sym <= 1; ++sym) {
@@ -146,9 +148,10 @@ static void test_paths_match_reference() {
             CHECK(run(w.data(), InputType::kFloat32, rows, k, bits, gs, sym, (Isa)isa, threads, &got) == Status::kOk &&
                       same(got, want),
                   "fp32 k=%ld gs=%ld bits=%d sym=%d isa=%s", (long)k, (long)gs, bits, sym, isa_name((Isa)isa));
-            CHECK(run(wb.data(), InputType::kBFloat16, rows, k, bits, gs, sym, (Isa)isa, threads, &got) == Status::kOk &&
-                      same(got, want_bf),
-                  "bf16 k=%ld gs=%ld bits=%d sym=%d isa=%s", (long)k, (long)gs, bits, sym, isa_name((Isa)isa));
+            CHECK(
+                run(wb.data(), InputType::kBFloat16, rows, k, bits, gs, sym, (Isa)isa, threads, &got) == Status::kOk &&
+                    same(got, want_bf),
+                "bf16 k=%ld gs=%ld bits=%d sym=%d isa=%s", (long)k, (long)gs, bits, sym, isa_name((Isa)isa));
           }
       }
 }
@@ -178,8 +181,9 @@ static void test_float16_input() {
   const Result want = reference(f, 16, 128, 4, 32, false);
   for (int isa = 1; isa <= (int)detect_isa(); ++isa) {
     Result got;
-    CHECK(run(h.data(), InputType::kFloat16, 16, 128, 4, 32, false, (Isa)isa, 2, &got) == Status::kOk && same(got, want),
-          "fp16 isa=%s", isa_name((Isa)isa));
+    CHECK(
+        run(h.data(), InputType::kFloat16, 16, 128, 4, 32, false, (Isa)isa, 2, &got) == Status::kOk && same(got, want),
+        "fp16 isa=%s", isa_name((Isa)isa));
   }
 }
 
@@ -235,8 +239,8 @@ static void test_count_nonfinite() {
       b[i] = static_cast<uint16_t>(float_to_bits(w[i]) >> 16);  // truncation keeps specials special
     }
     NonFiniteCounts c = count_nonfinite(w.data(), InputType::kFloat32, n);
-    CHECK(c.nan == want_nan && c.inf == want_inf, "fp32 n=%lld: %lld/%lld vs %lld/%lld", (long long)n,
-          (long long)c.nan, (long long)c.inf, (long long)want_nan, (long long)want_inf);
+    CHECK(c.nan == want_nan && c.inf == want_inf, "fp32 n=%lld: %lld/%lld vs %lld/%lld", (long long)n, (long long)c.nan,
+          (long long)c.inf, (long long)want_nan, (long long)want_inf);
     // bf16: counted on the truncated values themselves (0x7F800001, a NaN, truncates to Inf)
     int64_t bn = 0, bi = 0, hn = 0, hi = 0;
     for (int64_t i = 0; i < n; ++i) {

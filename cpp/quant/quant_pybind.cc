@@ -35,7 +35,8 @@ Isa parse_isa(const std::string& name) {
   throw std::invalid_argument("unknown isa '" + name + "' (expected auto, scalar, avx2, avx512)");
 }
 
-MatrixArgs matrix_args(uintptr_t w, const std::string& input, int64_t rows, int64_t k, int threads, const std::string& isa) {
+MatrixArgs matrix_args(uintptr_t w, const std::string& input, int64_t rows, int64_t k, int threads,
+                       const std::string& isa) {
   MatrixArgs a;
   a.w = reinterpret_cast<const void*>(w);
   a.input = parse_input(input);
@@ -47,9 +48,9 @@ MatrixArgs matrix_args(uintptr_t w, const std::string& input, int64_t rows, int6
 }
 
 // The integer kernels' arguments, checked (std::invalid_argument with check_args' reason).
-QuantizeArgs quantize_args(uintptr_t w, const std::string& input, int64_t rows, int64_t k, int bits,
-                           int64_t group_size, bool symmetric, uintptr_t qdata, uintptr_t scale, uintptr_t bias,
-                           int threads, const std::string& isa) {
+QuantizeArgs quantize_args(uintptr_t w, const std::string& input, int64_t rows, int64_t k, int bits, int64_t group_size,
+                           bool symmetric, uintptr_t qdata, uintptr_t scale, uintptr_t bias, int threads,
+                           const std::string& isa) {
   QuantizeArgs a;
   static_cast<MatrixArgs&>(a) = matrix_args(w, input, rows, k, threads, isa);
   a.bits = bits;
@@ -68,10 +69,11 @@ const char* status_name(Status s) {
 }
 
 // Returns "ok", "not_finite" or "range_overflow".
-std::string run_quantize(uintptr_t w, const std::string& input, int64_t rows, int64_t k, int bits,
-                         int64_t group_size, bool symmetric, uintptr_t qdata, uintptr_t scale, uintptr_t bias,
-                         int threads, const std::string& isa) {
-  const QuantizeArgs a = quantize_args(w, input, rows, k, bits, group_size, symmetric, qdata, scale, bias, threads, isa);
+std::string run_quantize(uintptr_t w, const std::string& input, int64_t rows, int64_t k, int bits, int64_t group_size,
+                         bool symmetric, uintptr_t qdata, uintptr_t scale, uintptr_t bias, int threads,
+                         const std::string& isa) {
+  const QuantizeArgs a = quantize_args(w, input, rows, k, bits, group_size, symmetric, qdata, scale, bias, threads,
+                                       isa);
   py::gil_scoped_release release;
   return status_name(quantize(a));
 }
@@ -81,7 +83,8 @@ std::string run_quantize(uintptr_t w, const std::string& input, int64_t rows, in
 std::string run_search_quantize(uintptr_t w, const std::string& input, int64_t rows, int64_t k, int bits,
                                 int64_t group_size, bool symmetric, uintptr_t qdata, uintptr_t scale, uintptr_t bias,
                                 int threads, const std::string& isa, uintptr_t importance) {
-  const QuantizeArgs a = quantize_args(w, input, rows, k, bits, group_size, symmetric, qdata, scale, bias, threads, isa);
+  const QuantizeArgs a = quantize_args(w, input, rows, k, bits, group_size, symmetric, qdata, scale, bias, threads,
+                                       isa);
   py::gil_scoped_release release;
   return status_name(search_quantize(a, reinterpret_cast<const float*>(importance)));
 }
@@ -140,16 +143,13 @@ std::string run_fp(F&& f) {
 
 // granularity: "tensor" | "channel" | "block128"; scale is read (compute_scale false) or written.
 std::string run_quantize_fp8(uintptr_t w, const std::string& input, int64_t rows, int64_t k,
-                             const std::string& granularity, int64_t rows_per_scale, bool compute_scale, uintptr_t scale,
-                             uintptr_t out, int threads, const std::string& isa) {
+                             const std::string& granularity, int64_t rows_per_scale, bool compute_scale,
+                             uintptr_t scale, uintptr_t out, int threads, const std::string& isa) {
   const MatrixArgs a = matrix_args(w, input, rows, k, threads, isa);
   Fp8Granularity g;
-  if (granularity == "tensor")
-    g = Fp8Granularity::kTensor;
-  else if (granularity == "channel")
-    g = Fp8Granularity::kChannel;
-  else if (granularity == "block128")
-    g = Fp8Granularity::kBlock128;
+  if (granularity == "tensor") g = Fp8Granularity::kTensor;
+  else if (granularity == "channel") g = Fp8Granularity::kChannel;
+  else if (granularity == "block128") g = Fp8Granularity::kBlock128;
   else
     throw std::invalid_argument("unknown FP8 granularity '" + granularity + "' (expected tensor, channel, block128)");
   const std::string err = check_fp_args(a, g == Fp8Granularity::kBlock128 ? 128 : 1);
@@ -165,9 +165,8 @@ std::string run_quantize_mx(uintptr_t w, const std::string& input, int64_t rows,
   const MatrixArgs a = matrix_args(w, input, rows, k, threads, isa);
   const std::string err = check_fp_args(a, 32);
   if (!err.empty()) throw std::invalid_argument(err);
-  return run_fp([&] {
-    return quantize_mx(a, fp4, reinterpret_cast<uint8_t*>(codes), reinterpret_cast<uint8_t*>(scale_e8m0));
-  });
+  return run_fp(
+      [&] { return quantize_mx(a, fp4, reinterpret_cast<uint8_t*>(codes), reinterpret_cast<uint8_t*>(scale_e8m0)); });
 }
 
 std::string run_quantize_nvfp4(uintptr_t w, const std::string& input, int64_t rows, int64_t k, int64_t rows_per_global,
@@ -190,8 +189,8 @@ std::string run_abs_max(uintptr_t w, const std::string& input, int64_t rows, int
   return run_fp([&] { return abs_max(a, rows_per_group, reinterpret_cast<float*>(amax)); });
 }
 
-void run_pack_int4_mma_tiles(uintptr_t src, int64_t batch, int64_t n, int64_t kbytes, int inner_k_tiles,
-                             uintptr_t dst, int threads, bool simd) {
+void run_pack_int4_mma_tiles(uintptr_t src, int64_t batch, int64_t n, int64_t kbytes, int inner_k_tiles, uintptr_t dst,
+                             int threads, bool simd) {
   py::gil_scoped_release release;
   pack_int4_mma_tiles(reinterpret_cast<const uint8_t*>(src), batch, n, kbytes, inner_k_tiles,
                       reinterpret_cast<int32_t*>(dst), threads, simd);
@@ -199,8 +198,8 @@ void run_pack_int4_mma_tiles(uintptr_t src, int64_t batch, int64_t n, int64_t kb
 
 // GGUF blocks of type `type_name` (n_blocks * block_bytes bytes at `blocks`) -> canonical
 // qdata / scale / bias at the given addresses (gguf_blocks.h gives their sizes).
-void run_gguf_decode(const std::string& type_name, uintptr_t blocks, int64_t n_blocks, uintptr_t qdata,
-                     uintptr_t scale, uintptr_t bias, int threads) {
+void run_gguf_decode(const std::string& type_name, uintptr_t blocks, int64_t n_blocks, uintptr_t qdata, uintptr_t scale,
+                     uintptr_t bias, int threads) {
   GgufBlockType type;
   if (!parse_gguf_block_type(type_name, &type))
     throw std::invalid_argument("GGUF block type '" + type_name + "' has no compiled decoder");
@@ -236,8 +235,8 @@ PYBIND11_MODULE(_quant_kernel, m) {
         py::arg("granularity"), py::arg("rows_per_scale"), py::arg("compute_scale"), py::arg("scale"), py::arg("out"),
         py::arg("threads") = 0, py::arg("isa") = "auto",
         "FP8 e4m3 (llmq.quant.fp.quantize_fp8); returns 'ok' or 'not_finite'.");
-  m.def("quantize_mx", &run_quantize_mx, py::arg("w"), py::arg("input"), py::arg("rows"), py::arg("k"),
-        py::arg("fp4"), py::arg("codes"), py::arg("scale_e8m0"), py::arg("threads") = 0, py::arg("isa") = "auto",
+  m.def("quantize_mx", &run_quantize_mx, py::arg("w"), py::arg("input"), py::arg("rows"), py::arg("k"), py::arg("fp4"),
+        py::arg("codes"), py::arg("scale_e8m0"), py::arg("threads") = 0, py::arg("isa") = "auto",
         "MXFP4 / MXFP8 (llmq.quant.fp.quantize_mx); returns 'ok' or 'not_finite'.");
   m.def("quantize_nvfp4", &run_quantize_nvfp4, py::arg("w"), py::arg("input"), py::arg("rows"), py::arg("k"),
         py::arg("rows_per_global"), py::arg("compute_global"), py::arg("global_scale"), py::arg("codes"),
@@ -249,7 +248,7 @@ PYBIND11_MODULE(_quant_kernel, m) {
   m.def("pack_int4_mma_tiles", &run_pack_int4_mma_tiles, py::arg("src"), py::arg("batch"), py::arg("n"),
         py::arg("kbytes"), py::arg("inner_k_tiles"), py::arg("dst"), py::arg("threads") = 0, py::arg("simd") = true,
         "Canonical 4-bit rows -> m16n8k16 B-fragment int32 tiles (int4_tiles.h).");
-  m.def("gguf_decode", &run_gguf_decode, py::arg("type_name"), py::arg("blocks"), py::arg("n_blocks"),
-        py::arg("qdata"), py::arg("scale"), py::arg("bias"), py::arg("threads") = 0,
+  m.def("gguf_decode", &run_gguf_decode, py::arg("type_name"), py::arg("blocks"), py::arg("n_blocks"), py::arg("qdata"),
+        py::arg("scale"), py::arg("bias"), py::arg("threads") = 0,
         "GGUF quantized blocks -> canonical codes, float32 scale and bias (gguf_blocks.h).");
 }

@@ -199,7 +199,8 @@ LLMQ_AVX2_FMA bool batch_candidates(int64_t n, int bits, bool symmetric, Batch* 
   _mm256_store_ps(b->max_pos, max_pos);
   if (symmetric) {
     const __m256 amax = _mm256_max_ps(_mm256_sub_ps(zero, min_neg), max_pos);
-    const __m256 base = _mm256_max_ps(_mm256_div_ps(amax, _mm256_set1_ps(static_cast<float>((1 << bits) - 1) / 2.0f)), eps);
+    const __m256 base = _mm256_max_ps(_mm256_div_ps(amax, _mm256_set1_ps(static_cast<float>((1 << bits) - 1) / 2.0f)),
+                                      eps);
     for (int i = 0; i < kSearchFactors; ++i)
       _mm256_store_ps(b->s[i], _mm256_max_ps(_mm256_mul_ps(base, _mm256_set1_ps(factor(i))), eps));
     return true;
@@ -275,25 +276,32 @@ LLMQ_AVX2_FMA int batch_approx(int64_t n, int bits, int real_lanes, Batch* b) {
   const __m256d rho_up = _mm256_set1_pd(1.0 + rho), one = _mm256_set1_pd(1.0), zero = _mm256_setzero_pd();
   const __m256 amax_imp = _mm256_load_ps(b->amax_imp), amin_imp = _mm256_load_ps(b->amin_imp);
   const __m256 gmin = _mm256_load_ps(b->gmin), gmax = _mm256_load_ps(b->gmax);
-  const __m256d sig_lo = _mm256_mul_pd(_mm256_set1_pd(sig), _mm256_add_pd(one, _mm256_cvtps_pd(_mm256_castps256_ps128(amax_imp))));
-  const __m256d sig_hi = _mm256_mul_pd(_mm256_set1_pd(sig), _mm256_add_pd(one, _mm256_cvtps_pd(_mm256_extractf128_ps(amax_imp, 1))));
+  const __m256d sig_lo = _mm256_mul_pd(_mm256_set1_pd(sig),
+                                       _mm256_add_pd(one, _mm256_cvtps_pd(_mm256_castps256_ps128(amax_imp))));
+  const __m256d sig_hi = _mm256_mul_pd(_mm256_set1_pd(sig),
+                                       _mm256_add_pd(one, _mm256_cvtps_pd(_mm256_extractf128_ps(amax_imp, 1))));
   const __m256d half_a = _mm256_set1_pd(0.5 * (1.0 - std::ldexp(1.0, -30)));
   const __m256d ah_lo = _mm256_mul_pd(half_a, _mm256_cvtps_pd(_mm256_castps256_ps128(amin_imp)));
   const __m256d ah_hi = _mm256_mul_pd(half_a, _mm256_cvtps_pd(_mm256_extractf128_ps(amin_imp, 1)));
-  const __m256d d_lo = _mm256_sub_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(gmax)), _mm256_cvtps_pd(_mm256_castps256_ps128(gmin)));
-  const __m256d d_hi = _mm256_sub_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(gmax, 1)), _mm256_cvtps_pd(_mm256_extractf128_ps(gmin, 1)));
+  const __m256d d_lo = _mm256_sub_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(gmax)),
+                                     _mm256_cvtps_pd(_mm256_castps256_ps128(gmin)));
+  const __m256d d_hi = _mm256_sub_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(gmax, 1)),
+                                     _mm256_cvtps_pd(_mm256_extractf128_ps(gmin, 1)));
   const double grow = 1.0 + std::ldexp(1.0, -22);
   const __m256d wq = _mm256_set1_pd(static_cast<double>((1 << bits) - 1) * grow);
   const __m256d top = _mm256_set1_pd(static_cast<double>((1 << (bits - 1)) - 1) * grow);
   const __m256d bottom = _mm256_set1_pd(-static_cast<double>(1 << (bits - 1)) * grow);
-  const __m256d mx_lo = _mm256_cvtps_pd(_mm256_castps256_ps128(gmax)), mx_hi = _mm256_cvtps_pd(_mm256_extractf128_ps(gmax, 1));
-  const __m256d mn_lo = _mm256_cvtps_pd(_mm256_castps256_ps128(gmin)), mn_hi = _mm256_cvtps_pd(_mm256_extractf128_ps(gmin, 1));
+  const __m256d mx_lo = _mm256_cvtps_pd(_mm256_castps256_ps128(gmax)),
+                mx_hi = _mm256_cvtps_pd(_mm256_extractf128_ps(gmax, 1));
+  const __m256d mn_lo = _mm256_cvtps_pd(_mm256_castps256_ps128(gmin)),
+                mn_hi = _mm256_cvtps_pd(_mm256_extractf128_ps(gmin, 1));
   const int pad = (0xff << real_lanes) & 0xff;  // padding lanes never block a skip
   __m256d ub_lo = _mm256_set1_pd(std::numeric_limits<double>::infinity()), ub_hi = ub_lo;
   for (int i0 = 0; i0 < kSearchFactors; i0 += kP) {
     if (i0 > 0) {
       const __m256 sv = _mm256_load_ps(b->s[kZ * i0]);
-      const __m256d s_lo = _mm256_cvtps_pd(_mm256_castps256_ps128(sv)), s_hi = _mm256_cvtps_pd(_mm256_extractf128_ps(sv, 1));
+      const __m256d s_lo = _mm256_cvtps_pd(_mm256_castps256_ps128(sv)),
+                    s_hi = _mm256_cvtps_pd(_mm256_extractf128_ps(sv, 1));
       __m256d lb_lo, lb_hi;
       if (kZ == 1) {  // symmetric: fixed window
         const __m256d t_lo = _mm256_max_pd(_mm256_sub_pd(mx_lo, _mm256_mul_pd(s_lo, top)), zero);
@@ -301,8 +309,10 @@ LLMQ_AVX2_FMA int batch_approx(int64_t n, int bits, int real_lanes, Batch* b) {
         const __m256d u_lo = _mm256_max_pd(_mm256_sub_pd(_mm256_mul_pd(s_lo, bottom), mn_lo), zero);
         const __m256d u_hi = _mm256_max_pd(_mm256_sub_pd(_mm256_mul_pd(s_hi, bottom), mn_hi), zero);
         // twice the bound: ah_* holds a_min / 2
-        lb_lo = _mm256_mul_pd(_mm256_add_pd(_mm256_mul_pd(t_lo, t_lo), _mm256_mul_pd(u_lo, u_lo)), _mm256_add_pd(ah_lo, ah_lo));
-        lb_hi = _mm256_mul_pd(_mm256_add_pd(_mm256_mul_pd(t_hi, t_hi), _mm256_mul_pd(u_hi, u_hi)), _mm256_add_pd(ah_hi, ah_hi));
+        lb_lo = _mm256_mul_pd(_mm256_add_pd(_mm256_mul_pd(t_lo, t_lo), _mm256_mul_pd(u_lo, u_lo)),
+                              _mm256_add_pd(ah_lo, ah_lo));
+        lb_hi = _mm256_mul_pd(_mm256_add_pd(_mm256_mul_pd(t_hi, t_hi), _mm256_mul_pd(u_hi, u_hi)),
+                              _mm256_add_pd(ah_hi, ah_hi));
       } else {
         const __m256d p_lo = _mm256_max_pd(_mm256_sub_pd(d_lo, _mm256_mul_pd(s_lo, wq)), zero);
         const __m256d p_hi = _mm256_max_pd(_mm256_sub_pd(d_hi, _mm256_mul_pd(s_hi, wq)), zero);
@@ -329,17 +339,17 @@ LLMQ_AVX2_FMA int batch_approx(int64_t n, int bits, int real_lanes, Batch* b) {
           // fl(clamp(r, lo, hi) * s) = clamp(fl(r * s), fl(lo * s), fl(hi * s)): rounding is monotone
           const __m256 e = _mm256_sub_ps(
               _mm256_min_ps(_mm256_max_ps(rs, _mm256_load_ps(b->los[c])), _mm256_load_ps(b->his[c])), x);
-          if (kWeighted)
-            acc[kZ * p + t] = _mm256_fmadd_ps(_mm256_mul_ps(e, e), a, acc[kZ * p + t]);
-          else
-            acc[kZ * p + t] = _mm256_fmadd_ps(e, e, acc[kZ * p + t]);
+          if (kWeighted) acc[kZ * p + t] = _mm256_fmadd_ps(_mm256_mul_ps(e, e), a, acc[kZ * p + t]);
+          else acc[kZ * p + t] = _mm256_fmadd_ps(e, e, acc[kZ * p + t]);
         }
       }
     }
     for (int c = 0; c < kP * kZ; ++c) {
       _mm256_store_ps(b->approx[kZ * i0 + c], acc[c]);
-      const __m256d u_lo = _mm256_mul_pd(_mm256_add_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(acc[c])), sig_lo), rho_up);
-      const __m256d u_hi = _mm256_mul_pd(_mm256_add_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(acc[c], 1)), sig_hi), rho_up);
+      const __m256d u_lo = _mm256_mul_pd(_mm256_add_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(acc[c])), sig_lo),
+                                         rho_up);
+      const __m256d u_hi = _mm256_mul_pd(_mm256_add_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(acc[c], 1)), sig_hi),
+                                         rho_up);
       ub_lo = _mm256_min_pd(ub_lo, u_lo);  // a NaN estimate makes ub NaN: that lane never skips
       ub_hi = _mm256_min_pd(ub_hi, u_hi);
     }
@@ -395,10 +405,9 @@ LLMQ_AVX2_FMA void batch_survivors(int64_t n, int nc, bool symmetric, Batch* b) 
 // The reference's exact error (group_error) of one candidate per lane, all 8 lanes at once:
 // float32 codes, float64 terms, each lane's sum in element order.
 template <bool kWeighted>
-LLMQ_AVX2_FMA void batch_exact(int64_t n, const float* s, const float* inv, const float* lo, const float* hi,
-                               Batch* b, double* err) {
-  const __m256 vs = _mm256_load_ps(s), vinv = _mm256_load_ps(inv), vlo = _mm256_load_ps(lo),
-               vhi = _mm256_load_ps(hi);
+LLMQ_AVX2_FMA void batch_exact(int64_t n, const float* s, const float* inv, const float* lo, const float* hi, Batch* b,
+                               double* err) {
+  const __m256 vs = _mm256_load_ps(s), vinv = _mm256_load_ps(inv), vlo = _mm256_load_ps(lo), vhi = _mm256_load_ps(hi);
   __m256d e_lo = _mm256_setzero_pd(), e_hi = _mm256_setzero_pd();
   const float* xt = b->xt.data();
   const float* at = b->at.data();
@@ -438,10 +447,8 @@ LLMQ_AVX2_FMA bool search_batch(const float* x, const float* imp, int64_t g0, in
   }
   if (!batch_candidates(n, bits, symmetric, b)) return false;
   int nc;
-  if (symmetric)
-    nc = imp ? batch_approx<4, 1, true>(n, bits, lanes, b) : batch_approx<4, 1, false>(n, bits, lanes, b);
-  else
-    nc = imp ? batch_approx<2, 3, true>(n, bits, lanes, b) : batch_approx<2, 3, false>(n, bits, lanes, b);
+  if (symmetric) nc = imp ? batch_approx<4, 1, true>(n, bits, lanes, b) : batch_approx<4, 1, false>(n, bits, lanes, b);
+  else nc = imp ? batch_approx<2, 3, true>(n, bits, lanes, b) : batch_approx<2, 3, false>(n, bits, lanes, b);
   batch_survivors(n, nc, symmetric, b);
   int rounds = 0;
   for (int l = 0; l < lanes; ++l) rounds = std::max(rounds, b->count[l]);
@@ -460,10 +467,8 @@ LLMQ_AVX2_FMA bool search_batch(const float* x, const float* imp, int64_t g0, in
       lo[l] = b->lo[c][l];
       hi[l] = b->hi[c][l];
     }
-    if (imp)
-      batch_exact<true>(n, s, inv, lo, hi, b, err);
-    else
-      batch_exact<false>(n, s, inv, lo, hi, b, err);
+    if (imp) batch_exact<true>(n, s, inv, lo, hi, b, err);
+    else batch_exact<false>(n, s, inv, lo, hi, b, err);
     for (int l = 0; l < lanes; ++l)
       if (k == 0 || err[l] < best[l]) {
         best[l] = err[l];
@@ -513,8 +518,8 @@ bool use_vector_path(Isa isa) {
 
 }  // namespace
 
-void search_qparams(const float* g, int64_t rows, int64_t k, int64_t group_size, int bits, bool symmetric,
-                    float* scale, float* zero, int threads, const float* importance, Isa isa) {
+void search_qparams(const float* g, int64_t rows, int64_t k, int64_t group_size, int bits, bool symmetric, float* scale,
+                    float* zero, int threads, const float* importance, Isa isa) {
   const int64_t groups = k / group_size;
   const bool vec = use_vector_path(isa);
   parallel_rows(rows, threads, [&](int64_t r0, int64_t r1) {

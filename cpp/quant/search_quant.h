@@ -33,9 +33,8 @@ constexpr int kSearchFactors = 32;
 // importance: nullptr, or float32 [k] positive finite per-input-channel weights.
 // Rows are split across `threads` std::threads (0 = every CPU this process may run on).
 // isa: kScalar forces the portable path; otherwise AVX2+FMA when the CPU has it.
-void search_qparams(const float* g, int64_t rows, int64_t k, int64_t group_size, int bits, bool symmetric,
-                    float* scale, float* zero, int threads, const float* importance = nullptr,
-                    Isa isa = Isa::kAuto);
+void search_qparams(const float* g, int64_t rows, int64_t k, int64_t group_size, int bits, bool symmetric, float* scale,
+                    float* zero, int threads, const float* importance = nullptr, Isa isa = Isa::kAuto);
 
 // Method "search" end to end: the (scale, zero) of search_qparams per group of a.w (any
 // InputType), then codes, packing and bias by quantize() from those parameters (the same

@@ -11,8 +11,8 @@ the one loader every model uses.
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 from typing import Callable, Dict, Optional
 
 import torch

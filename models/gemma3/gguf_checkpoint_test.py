@@ -18,7 +18,6 @@ from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 from llmq.checkpoint import load_bundle
 from llmq.quant import GroupQuantizedWeight
 from llmq.quant.formats import dequantize_canonical
-from models.gemma3.config import ModelConfig
 from models.common.loading import load_model
 from models.gemma3.architecture import ARCHITECTURE
 from models.pipeline import gguf_input

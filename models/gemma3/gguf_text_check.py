@@ -14,12 +14,10 @@ Not a test: it reads a real checkpoint (see docs/models.md).
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
-
-import torch
-import argparse
 
 from llmq.checkpoint import load_bundle
 from llmq.quant import GroupQuantizedWeight
@@ -29,9 +27,9 @@ from models.common.tokenizer import load_tokenizer, write_tokenizer_files
 from models.gemma3.config import ModelConfig
 from models.gemma3.architecture import ARCHITECTURE
 from models.pipeline import gguf_input
+from models.pipeline.agreement import format_table
 from models.pipeline.hf_checkpoint import write_hf_checkpoint
 from models.pipeline.quantized_model import build_quantized_model
-from models.pipeline.agreement import format_table
 
 
 def _user_path(path):

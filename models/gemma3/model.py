@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from models.gemma4 import model as gemma
 from models.gemma3.config import ModelConfig
+from models.gemma4 import model as gemma
 
 
 class Gemma3ForCausalLM(gemma.Gemma4ForCausalLM):

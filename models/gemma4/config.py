@@ -15,8 +15,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar, Dict, List, Optional, Tuple
 
-from models.common.hf_config import (check_activation, check_heads, check_layer_types, check_rope_per_layer_type,
-                                     known_values, periodic_layer_types, text_config)
+from models.common.hf_config import (
+    check_activation,
+    check_heads,
+    check_layer_types,
+    check_rope_per_layer_type,
+    known_values,
+    periodic_layer_types,
+    text_config,
+)
 
 TEXT_MODEL_TYPES = ("gemma4_text",)
 MULTIMODAL_MODEL_TYPES = ("gemma4",)

@@ -17,8 +17,8 @@ from typing import Callable
 from llmq.quant.importance import Calibration, collect_calibration, token_batches
 from models.common.tokenizer import has_tokenizer, load_tokenizer
 from models.pipeline.arch import Architecture
-from models.pipeline.usage_error import UsageError
 from models.pipeline.quantized_model import build_quantized_model
+from models.pipeline.usage_error import UsageError
 
 WINDOW = 512
 SAMPLE_ROWS = 64

@@ -17,8 +17,8 @@ from llmq.backend import backend_names, get_backend
 from llmq.checkpoint import CheckpointError
 from llmq.quant.presets import all_presets
 from models.pipeline.arch import Architecture
-from models.pipeline.usage_error import UsageError
 from models.pipeline.run import _user_path, run
+from models.pipeline.usage_error import UsageError
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("checkpoint", None, "Hugging Face checkpoint folder (config.json + safetensors) or a "

@@ -36,7 +36,6 @@ from models.common.cache import ModelCache, StaticKVCache
 from models.pipeline import inputs, quantize_and_save
 from models.pipeline.arch import Architecture
 from models.pipeline.quantized_model import _StackedQuantized, build_quantized_model
-from models.pipeline.agreement import format_table
 
 # --checkpoint, --recipe, --out and --seed are quantize_and_save's flags (so is --use_moe_quantized_op, if it
 # defines it); the rest are this binary's.

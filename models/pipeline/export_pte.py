@@ -42,10 +42,10 @@ from llmq.checkpoint import CheckpointError
 from llmq.checkpoint.workfolder import publish_file
 from llmq.quant import QuantizedLinear, to_torchao
 from models.pipeline import export_pt2, quantize_and_save
+from models.pipeline.agreement import format_table
 from models.pipeline.arch import Architecture
 from models.pipeline.export_pt2 import DecodeStep, PrefillStep, StaticCacheLayout
 from models.pipeline.quantized_model import QuantizedExperts, _StackedQuantized
-from models.pipeline.agreement import format_table
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("pte_experts", "op", ["op", "dense"], "Routed experts in the .pte: 'op' runs llmq's "
@@ -365,7 +365,8 @@ def run(arch: Architecture, make_layout: Callable[[nn.Module, int], StaticCacheL
         rows.append((f"max |diff| {'prefill' if i == 0 else f'decode {i}'}",
                      f".pte vs eager llmq {a:.2e}; .pte vs torchao eager 8da {b:.2e}"))
     log(format_table(rows))
-    return {"out": out, "counts": counts, "op_calls": {d: _op_calls(manager, d) for d in ("prefill", "decode")}, "stats": stats, "vs_eager": vs_eager, "vs_ao": vs_ao, "scale": scale,
+    return {"out": out, "counts": counts, "op_calls": {d: _op_calls(manager, d) for d in ("prefill", "decode")},
+            "stats": stats, "vs_eager": vs_eager, "vs_ao": vs_ao, "scale": scale,
             "eager": eager_logits, "ao": ao, "pte": pte, "model": model, "layout": layout, "prompt": prompt}
 
 

@@ -15,7 +15,6 @@ pipeline then imports it, and we check against independent references:
 from __future__ import annotations
 
 import json
-
 import os
 import time
 
@@ -34,7 +33,6 @@ from models.pipeline import arch as arch_registry
 from models.pipeline.gguf_input import Metadata
 from models.pipeline.quantize_and_save import UsageError, run
 from models.pipeline.quantized_model import build_quantized_model
-from models.pipeline.agreement import compare_logits
 from models.qwen import keymap as qwen_keymap
 from models.qwen.gguf_checkpoint import GGUFConverter as QwenConverter
 from models.qwen.gguf_checkpoint import hf_config_from_gguf as qwen_config_from_gguf

@@ -27,8 +27,8 @@ from llmq.checkpoint import (
 from models.pipeline import gguf_input
 from models.pipeline.arch import Architecture, architecture_for_gguf, architecture_for_model_type
 from models.pipeline.default_model import write_default_checkpoint, write_tiny_tokenizer
-from models.pipeline.usage_error import UsageError
 from models.pipeline.streaming import merge_experts_stream
+from models.pipeline.usage_error import UsageError
 
 
 

@@ -42,6 +42,11 @@ from models.pipeline.arch import Architecture, quantizable_module
 from models.pipeline.checks import check_headers, check_stored_types, checked_stream, expected_tensors
 from models.pipeline.usage_error import UsageError
 from models.pipeline.agreement import format_table
+from models.pipeline.arch import Architecture, quantizable_module
+from models.pipeline.calibration import calibrate
+from models.pipeline.checks import check_headers, checked_stream, expected_tensors
+from models.pipeline.size_budget import RECIPE_FILE, choose_recipe
+from models.pipeline.usage_error import UsageError
 
 VERIFY_LIMIT_BYTES = 4 << 30
 ROW_BLOCK_BYTES = 16 << 20  # tensors over this travel as blocks of rows of at most this size

@@ -10,8 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from models.common.hf_config import (check_activation, check_heads, check_layer_types, known_values,
-                                     periodic_layer_types, text_config)
+from models.common.hf_config import (
+    check_activation,
+    check_heads,
+    check_layer_types,
+    known_values,
+    periodic_layer_types,
+    text_config,
+)
 
 TEXT_MODEL_TYPES = ("qwen3_5_moe_text",)
 MULTIMODAL_MODEL_TYPES = ("qwen3_5_moe",)

@@ -33,6 +33,7 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
+from models.common.keymap import TableConverter, block_template
 from models.pipeline.gguf_input import (
     ExpertPairFuser,
     GGUFTensors,
@@ -42,7 +43,6 @@ from models.pipeline.gguf_input import (
     permute_rows,
     refuse_quantized,
 )
-from models.common.keymap import TableConverter, block_template
 from models.qwen import keymap
 
 GGUF_ARCH = "qwen35moe"

@@ -4,7 +4,6 @@ Both models read the same save_pretrained folder and run in float32 on CPU, with
 models.common.parity's FP32_REL_TOL (derived there from fp32 rounding).
 """
 
-import json
 import os
 
 import pytest
@@ -19,7 +18,6 @@ from models.qwen.config import ModelConfig
 from models.qwen.delta_rule import delta_rule
 from models.qwen.model import build_model
 from models.qwen.architecture import ARCHITECTURE
-
 
 
 def tiny_hf_config(**overrides):

@@ -47,7 +47,7 @@ def load_first(module_name: str, paths: List[str]) -> Tuple[ModuleType | None, L
     consumer), and two initialisations of one extension must not overlap (the likely cause of
     "module '_quant_kernel' has no attribute 'count_nonfinite'", seen twice in about twenty 4 GB
     NVFP4 exports from tmpfs, never since the lock)."""
-    problems = []
+    problems: List[str] = []
     with _load_lock:
         for path in paths:
             key = (module_name, os.path.realpath(path))
@@ -56,6 +56,7 @@ def load_first(module_name: str, paths: List[str]) -> Tuple[ModuleType | None, L
             try:
                 loader = importlib.machinery.ExtensionFileLoader(module_name, path)
                 spec = importlib.util.spec_from_file_location(module_name, path, loader=loader)
+                assert spec is not None  # a loader was given
                 module = importlib.util.module_from_spec(spec)
                 loader.exec_module(module)
             except ImportError as e:  # wrong Python ABI, missing symbols, ...

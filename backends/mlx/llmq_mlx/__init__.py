@@ -18,8 +18,8 @@ from .affine import (
     torch_to_mx,
     unpack_mlx_affine,
 )
-from .regroup import fallback_params, mlx_group_size_for, regroup, requantize_affine
 from .mlx_lm_writer import write_mlx_lm_folder
+from .regroup import fallback_params, mlx_group_size_for, regroup, requantize_affine
 
 __all__ = [
     "FP_MODES",

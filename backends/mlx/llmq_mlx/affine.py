@@ -130,13 +130,13 @@ def pack_mlx_affine(
             )
         target = mlx_group_size_for(w.group_size, w.shape[-1], name=name) if group_size is None else group_size
         w = regroup(w, target, name=name)
-    except ValueError:
+    except ValueError as err:
         if requantize_from is None:
             raise
         if tuple(requantize_from.shape) != tuple(w.shape):
             raise ValueError(
                 f"{name}: requantize_from has shape {list(requantize_from.shape)}, the weight is {list(w.shape)}"
-            )
+            ) from err
         bits, gs = fallback_params(w.bits, w.group_size, w.shape[-1], name=name)
         w = requantize_affine(requantize_from, bits, group_size if group_size is not None else gs, name=name)
     _check_mlx_params(w.bits, w.group_size, w.shape[-1], what=name)

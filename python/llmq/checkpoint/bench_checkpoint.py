@@ -111,8 +111,8 @@ def make_checkpoint(folder: str, size_gb: float) -> dict:
 
 
 def make_gguf(path: str, size_gb: float) -> dict:
-    import numpy as np
     import gguf
+    import numpy as np
 
     rng = np.random.default_rng(0)
     T = gguf.GGMLQuantizationType
@@ -157,13 +157,13 @@ def files_of(folder):
 def phase_read(ckpt: str) -> dict:
     import torch
     from safetensors import safe_open
-    from llmq.checkpoint import iter_checkpoint
-    from llmq.checkpoint import safetensors_io as sio
+
+    from llmq.checkpoint import iter_checkpoint, safetensors_io as sio
 
     warm(files_of(ckpt))
     base = rss_bytes()
     out = {}
-    for rep in range(2):  # interleave, keep the best of two for each reader
+    for _rep in range(2):  # interleave, keep the best of two for each reader
         t0 = time.perf_counter()
         n = 0
         for _, t in iter_checkpoint(ckpt, nonfinite="allow"):
@@ -172,7 +172,7 @@ def phase_read(ckpt: str) -> dict:
         parallel, sio._PARALLEL_READ_MAX_THREADS = sio._PARALLEL_READ_MAX_THREADS, 1  # before: one preadv
         try:
             t0 = time.perf_counter()
-            for _, t in iter_checkpoint(ckpt, nonfinite="allow"):
+            for _ in iter_checkpoint(ckpt, nonfinite="allow"):
                 pass
             out.setdefault("iter_checkpoint_one_range_s", []).append(time.perf_counter() - t0)
         finally:
@@ -193,7 +193,7 @@ def phase_read(ckpt: str) -> dict:
         out.setdefault("safe_open_clone_s", []).append(time.perf_counter() - t0)
         assert n == n2
         t0 = time.perf_counter()
-        for _, t in iter_checkpoint(ckpt, nonfinite="error"):
+        for _ in iter_checkpoint(ckpt, nonfinite="error"):
             pass
         out.setdefault("iter_checkpoint_nonfinite_check_s", []).append(time.perf_counter() - t0)
     res = {k: min(v) for k, v in out.items()}
@@ -233,7 +233,6 @@ def phase_stream(ckpt: str, out: str, fsync: bool, quantize: bool = True, max_sh
 
 def phase_quant_only(ckpt: str) -> dict:
     """The quantization arithmetic alone, on tensors already in memory (one layer, repeated)."""
-    import torch
     from llmq.checkpoint import iter_checkpoint
     from llmq.quant import quantize_weight
 
@@ -329,7 +328,7 @@ def phase_gguf(path: str) -> dict:
     best, raw = float("inf"), float("inf")
     for _ in range(2):  # interleaved: import, then the same bytes read raw
         t0 = time.perf_counter()
-        for _, w in iter_checkpoint(path):
+        for _ in iter_checkpoint(path):
             pass
         best = min(best, time.perf_counter() - t0)
         t0 = time.perf_counter()
@@ -463,7 +462,7 @@ def main(argv=None) -> int:
             paired.append((gb, [(label, [r["seconds"] for r in runs[key]]) for key, _, label in timed],
                            [r["seconds"] for r in runs.get(("stream", False, True), [])],
                            [r["seconds"] for r in runs.get(("torchao",), [])]))
-            for key, args, label in timed:
+            for key, _args, label in timed:
                 if key[0] == "torchao":
                     secs = sorted(r["seconds"] for r in runs[key])
                     t = dict(max(runs[key], key=lambda r: r["peak_rss"]), seconds=statistics.median(secs))

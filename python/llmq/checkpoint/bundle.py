@@ -205,7 +205,7 @@ def source_files(folder: os.PathLike) -> List[str]:
     return side_files(folder, SOURCE_FILES)
 
 
-def _check_extra_files(paths: Iterable[os.PathLike]) -> List[str]:
+def _check_extra_files(paths: Iterable[str | os.PathLike]) -> List[str]:
     paths = [os.fspath(p) for p in paths]
     names = set()
     for path in paths:
@@ -352,10 +352,10 @@ class BundleWriter:
     ``add`` must not be modified in place afterwards (their bytes may still be queued).
     """
 
-    def __init__(self, out_dir: os.PathLike, *, recipe: Any = None, metadata: Optional[Dict[str, str]] = None,
+    def __init__(self, out_dir: str | os.PathLike, *, recipe: Any = None, metadata: Optional[Dict[str, str]] = None,
                  max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, resume: bool = True, overwrite: bool = False,
                  fsync: bool = True, write_queue_bytes: int = DEFAULT_WRITE_QUEUE_BYTES,
-                 extra_files: Iterable[os.PathLike] = ()):
+                 extra_files: Iterable[str | os.PathLike] = ()):
         self.rotation = ShardRotation(max_shard_bytes)
         if write_queue_bytes < 0:
             raise ValueError(f"write_queue_bytes must be >= 0, got {write_queue_bytes}")
@@ -602,7 +602,7 @@ class BundleWriter:
             self._unlock()
 
 
-def save_bundle(stream: Iterable[Tuple[str, Union[Value, Callable[[], Value]]]], out_dir: os.PathLike, *,
+def save_bundle(stream: Iterable[Tuple[str, Union[Value, Callable[[], Value]]]], out_dir: str | os.PathLike, *,
                 recipe: Any = None, metadata: Optional[Dict[str, str]] = None,
                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, resume: bool = True, overwrite: bool = False,
                 fsync: bool = True, write_queue_bytes: int = DEFAULT_WRITE_QUEUE_BYTES,

@@ -29,7 +29,6 @@ from llmq.quant import QuantConfig, dequantize, quantize_weight
 from llmq.quant.formats import format_names, format_of, get_format
 
 
-
 def weights(seed):
     g = torch.Generator().manual_seed(seed)
     return {
@@ -120,7 +119,7 @@ def test_fp_record_in_a_version_2_manifest_is_refused(tmp_path):
 def test_unknown_format_and_newer_version_are_refused(tmp_path):
     out = save_bundle(quantized_stream(QuantConfig(format="mxfp4")), tmp_path / "b", fsync=False)
     for bad in ("mxfp3", "Q4_K"):  # unknown, and import-only (never stored)
-        edit_manifest(out, lambda m: m["tensors"]["model.layers.0.mlp.down_proj.weight"].update(format=bad))
+        edit_manifest(out, lambda m, bad=bad: m["tensors"]["model.layers.0.mlp.down_proj.weight"].update(format=bad))
         with pytest.raises(CorruptCheckpointError, match="bad tensor record"):
             load_bundle(out)
     out2 = save_bundle(quantized_stream(QuantConfig(format="mxfp4")), tmp_path / "c", fsync=False)

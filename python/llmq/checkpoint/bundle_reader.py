@@ -36,7 +36,7 @@ from llmq.checkpoint.safetensors_io import SafetensorsFile
 from llmq.quant.formats import format_of
 
 
-def read_manifest(path: os.PathLike) -> Dict[str, Any]:
+def read_manifest(path: str | os.PathLike) -> Dict[str, Any]:
     """Load and validate a bundle's manifest, refusing versions this reader does not know."""
     folder = os.fspath(path)
     mpath = os.path.join(folder, MANIFEST)
@@ -120,7 +120,7 @@ def _to_value(fqn: str, rec: Dict[str, Any], f: SafetensorsFile, *, mpath: str) 
         raise TensorMismatchError(f"stored parts disagree with the manifest: {e}", path=mpath, tensor=fqn) from None
 
 
-def iter_bundle(path: os.PathLike, *, verify: Optional[bool] = None, output: str = "canonical",
+def iter_bundle(path: str | os.PathLike, *, verify: Optional[bool] = None, output: str = "canonical",
                 names: Optional[Iterable[str]] = None) -> Iterator[Tuple[str, Any]]:
     """Yield ``(fqn, value)`` from a bundle in the order it was written, one shard open at a time.
 
@@ -193,7 +193,7 @@ def _check_file(folder: str, shard: Dict[str, Any], checksum: Optional[str]) -> 
     return full
 
 
-def load_bundle(path: os.PathLike, *, verify: Optional[bool] = None, output: str = "canonical",
+def load_bundle(path: str | os.PathLike, *, verify: Optional[bool] = None, output: str = "canonical",
                 names: Optional[Iterable[str]] = None) -> Dict[str, Any]:
     """Every tensor of a bundle as a dict (see iter_bundle for the options)."""
     return dict(iter_bundle(path, verify=verify, output=output, names=names))

@@ -202,7 +202,7 @@ def test_a_crash_at_each_step_of_close_keeps_every_finished_shard(tmp_path, monk
             writer.add(name, value)
         calls = []
 
-        def wrap(label, real):
+        def wrap(label, real, calls=calls, k=k):
             def step(*args, **kwargs):
                 if threading.current_thread() is main:
                     calls.append(label)

@@ -115,7 +115,7 @@ def test_blocks_hold_at_most_chunk_bytes_and_rebuild_the_tensor(tmp_path):
             assert value.numel() * value.element_size() <= CHUNK * 2  # float32 of a <= CHUNK bf16 tensor
             continue
         rows = []
-        for r0, block in value.blocks():
+        for _r0, block in value.blocks():
             assert block.dtype == torch.float32
             assert block.numel() * whole[name].element_size() <= max(CHUNK, whole[name][0].numel() * 2)
             rows.append(block)
@@ -273,7 +273,7 @@ def test_hf_export_writes_row_blocks_one_block_at_a_time(tmp_path, monkeypatch):
                         "whole", refuse)
     for fmt in ({"format": "nvfp4"}, {"format": "fp8", "granularity": "channel"}):
         stream = ((n, v) for n, v in iter_checkpoint(src, chunk_bytes=CHUNK) if n != "lm_head.weight")
-        write_hf_quantized_checkpoint(str(tmp_path / fmt["format"]), stream, lambda m: fmt if "down_proj" in m else None)
+        write_hf_quantized_checkpoint(str(tmp_path / fmt["format"]), stream, lambda m, fmt=fmt: fmt if "down_proj" in m else None)
 
 
 

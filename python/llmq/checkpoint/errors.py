@@ -14,7 +14,7 @@ from typing import Optional
 class CheckpointError(ValueError):
     """Base class: anything wrong with a checkpoint or bundle on disk or in flight."""
 
-    def __init__(self, message: str, *, path: Optional[os.PathLike] = None, tensor: Optional[str] = None):
+    def __init__(self, message: str, *, path: Optional[str | os.PathLike] = None, tensor: Optional[str] = None):
         parts = []
         if path is not None:
             parts.append(str(path))

@@ -128,7 +128,7 @@ def save_safetensors(path: str, tensors: Mapping[str, torch.Tensor], metadata: O
     from safetensors.torch import save_file
 
     try:
-        save_file(tensors, path, metadata=metadata)
+        save_file(dict(tensors), path, metadata=metadata)
     except OSError as e:
         raise write_error(e, path, "writing") from None
     except Exception as e:  # SafetensorError("... I/O error: No space left on device (os error 28)")

@@ -164,7 +164,7 @@ class GGUFArray(collections.abc.Sequence):
             other = other.tolist()
         return isinstance(other, (list, tuple)) and self.tolist() == list(other)
 
-    __hash__ = None  # mutable-looking sequence: unhashable, like list
+    __hash__ = None  # type: ignore[assignment]  # mutable-looking sequence: unhashable, like list
 
     def __repr__(self) -> str:
         return f"GGUFArray({self.key!r}, {self.element_type_name} x {self._count})"

@@ -14,8 +14,13 @@ import gguf
 import numpy as np
 import pytest
 
-from llmq.checkpoint import CorruptCheckpointError, UnsupportedCheckpointError, iter_checkpoint, read_gguf_metadata
-from llmq.checkpoint import gguf_header
+from llmq.checkpoint import (
+    CorruptCheckpointError,
+    UnsupportedCheckpointError,
+    gguf_header,
+    iter_checkpoint,
+    read_gguf_metadata,
+)
 from llmq.checkpoint.gguf_import import GGUFFile
 from llmq.checkpoint.testing_util import time_limit
 

@@ -129,7 +129,7 @@ class GGUFFile(OpenReadOnly):
 
     _buffers: Optional[ReadBuffers] = None  # set in __init__ (close() may run when __init__ failed first)
 
-    def __init__(self, path: os.PathLike):
+    def __init__(self, path: str | os.PathLike):
         self.path = os.fspath(path)
         if not os.path.exists(self.path):
             raise CheckpointNotFoundError("no such file", path=self.path)
@@ -228,7 +228,7 @@ class GGUFFile(OpenReadOnly):
             yield info.name, self.read(info)
 
 
-def read_gguf_metadata(path: os.PathLike) -> Dict[str, Any]:
+def read_gguf_metadata(path: str | os.PathLike) -> Dict[str, Any]:
     """The key/value metadata of a GGUF file (architecture, hyper-parameters, tokenizer) as Python values.
 
     Arrays of more than gguf_header.EAGER_ARRAY_LIMIT elements (a tokenizer's vocabulary) come

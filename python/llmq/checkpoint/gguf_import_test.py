@@ -157,8 +157,8 @@ def test_reads_in_file_order_without_dequantizing(gguf_file, monkeypatch):
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 7, 8])
 def test_swar_pack_equals_canonical_pack_bits(bits):
-    from llmq.quant.formats.gguf_blocks import swar_pack
     from llmq.quant.formats import pack_bits
+    from llmq.quant.formats.gguf_blocks import swar_pack
 
     q = torch.randint(0, 2 ** bits, (3, 5, 64), generator=torch.Generator().manual_seed(bits), dtype=torch.uint8)
     assert torch.equal(torch.from_numpy(swar_pack(q.numpy(), bits)), pack_bits(q, bits))
@@ -198,7 +198,7 @@ def test_blockwise_dequantization_matches_gguf_py_across_block_edges(gguf_file, 
     monkeypatch.setattr(formats, "DEQUANT_BLOCK_ELEMENTS", block_elements)
     path, raws, _ = gguf_file
     got = dict(iter_checkpoint(path))
-    for name, (type_name, raw, shape) in raws.items():
+    for name, (type_name, raw, _shape) in raws.items():
         assert_bitwise_equal(dequantize_canonical(got[name]), gguf.quants.dequantize(raw, T[type_name]))
     bf16 = dequantize_canonical(got["Q5_K.weight"], torch.bfloat16)  # float32 first, then one more rounding
     assert torch.equal(bf16, torch.from_numpy(gguf.quants.dequantize(raws["Q5_K.weight"][1], T.Q5_K)).bfloat16())

@@ -19,7 +19,6 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 import torch
 
 from llmq.checkpoint.errors import (
-    CheckpointError,
     MissingTensorsError,
     NonFiniteWeightError,
     TensorMismatchError,
@@ -201,7 +200,7 @@ def _plan(path: str, key_map: KeyMap, tied: Optional[Mapping[str, str]]) -> _Pla
         raise
 
 
-def checkpoint_names(path: os.PathLike, *, key_map: KeyMap = None,
+def checkpoint_names(path: str | os.PathLike, *, key_map: KeyMap = None,
                      tied: Optional[Mapping[str, str]] = None) -> List[str]:
     """The names iter_checkpoint would yield, in order, without reading any tensor data."""
     plan = _plan(os.fspath(path), key_map, tied)
@@ -319,7 +318,7 @@ class _ReadAhead:
         self._thread.join()
 
 
-def iter_checkpoint(path: os.PathLike, *, key_map: KeyMap = None, convert: Convert = None,
+def iter_checkpoint(path: str | os.PathLike, *, key_map: KeyMap = None, convert: Convert = None,
                     dtype: Optional[torch.dtype] = None, tied: Optional[Mapping[str, str]] = None,
                     nonfinite: str = "error", read_ahead: int = 1,
                     read_ahead_bytes: Optional[int] = None,
@@ -392,7 +391,7 @@ def iter_checkpoint(path: os.PathLike, *, key_map: KeyMap = None, convert: Conve
         ahead = None
     items = iter(ahead) if ahead else ((name, out, read(name, out)) for name, out in plan.renames)
     try:
-        for name, out, (value, nonfinite_parts) in items:
+        for _name, out, (value, nonfinite_parts) in items:
             report_nonfinite(nonfinite_parts, nonfinite, path=plan.source.path)
             value = _cast(value, dtype)
             if convert is not None:
@@ -432,7 +431,7 @@ def _model_slots(model: torch.nn.Module):
     return slots
 
 
-def load_checkpoint(path: os.PathLike, model: torch.nn.Module, *, key_map: KeyMap = None,
+def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module, *, key_map: KeyMap = None,
                     convert: Convert = None, dtype: Optional[torch.dtype] = None,
                     tied: Optional[Mapping[str, str]] = None, strict: bool = True,
                     nonfinite: str = "error") -> LoadResult:

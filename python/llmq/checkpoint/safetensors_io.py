@@ -132,7 +132,7 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def read_header(path: os.PathLike) -> SafetensorsHeader:
+def read_header(path: str | os.PathLike) -> SafetensorsHeader:
     """Parse and fully validate a safetensors header; reads at most the header bytes."""
     path = os.fspath(path)
     try:
@@ -409,7 +409,7 @@ class OpenReadOnly:
 class SafetensorsFile(OpenReadOnly):
     """An open, validated safetensors file; ``read(name)`` materialises one tensor."""
 
-    def __init__(self, path: os.PathLike):
+    def __init__(self, path: str | os.PathLike):
         self.header = read_header(path)
         self.path = self.header.path
         self._fd: Optional[int] = os.open(self.path, os.O_RDONLY)

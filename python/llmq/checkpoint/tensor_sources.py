@@ -290,7 +290,7 @@ def _single_safetensors(path: str) -> SafetensorsSource:
     return SafetensorsSource(path, [f], {name: f for name in f.entries})
 
 
-def open_source(path: os.PathLike) -> Source:
+def open_source(path: str | os.PathLike) -> Source:
     """Classify and validate the input; every problem becomes a CheckpointError."""
     path = os.fspath(path)
     if not os.path.exists(path):

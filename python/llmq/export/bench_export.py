@@ -88,13 +88,16 @@ def run_one(src: str, dst: str, fmt: str, style: str, max_shard_bytes: int = 512
         seconds = time.perf_counter() - start
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         return {"format": fmt, "style": style, "input_bytes": n, "output_bytes": n, "seconds": seconds, "gb_per_s": n / seconds / 1e9, "peak_rss_bytes": rss}
-    config = {"fp8": {"format": "fp8", "granularity": "channel"}, "fp8_block": {"format": "fp8", "granularity": "block128"}, "nvfp4": {"format": "nvfp4"}, "mxfp4": {"format": "mxfp4"}}[fmt]
-    recipe = lambda fqn: config
+    config = {"fp8": {"format": "fp8", "granularity": "channel"}, "fp8_block": {"format": "fp8", "granularity": "block128"},
+              "nvfp4": {"format": "nvfp4"}, "mxfp4": {"format": "mxfp4"}}[fmt]
+    def recipe(fqn):
+        return config
     start = time.perf_counter()
     s = write_hf_quantized_checkpoint(dst, iter_folder(src), recipe, style=style, max_shard_bytes=max_shard_bytes, overwrite=True)
     seconds = time.perf_counter() - start
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"format": fmt, "style": style, "input_bytes": s.input_bytes, "output_bytes": s.output_bytes, "seconds": seconds, "gb_per_s": s.input_bytes / seconds / 1e9, "peak_rss_bytes": rss}
+    return {"format": fmt, "style": style, "input_bytes": s.input_bytes, "output_bytes": s.output_bytes,
+            "seconds": seconds, "gb_per_s": s.input_bytes / seconds / 1e9, "peak_rss_bytes": rss}
 
 
 def main(argv=None) -> int:
@@ -121,14 +124,16 @@ def main(argv=None) -> int:
         print(f"{'format':<10} {'style':<19} {'input GB':>9} {'output GB':>10} {'seconds':>8} {'GB/s':>6} {'peak RSS GB':>12}")
         for fmt in args.formats.split(","):
             dst = os.path.join(work, f"out-{fmt}")
-            cmd = [sys.executable, os.path.abspath(__file__), "--threads", str(args.threads), "--max-shard-mb", str(args.max_shard_mb), "--_child", src, dst, fmt, args.style]
+            cmd = [sys.executable, os.path.abspath(__file__), "--threads", str(args.threads),
+                   "--max-shard-mb", str(args.max_shard_mb), "--_child", src, dst, fmt, args.style]
             env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
             res = subprocess.run(cmd, capture_output=True, text=True, env=env)
             if res.returncode:
                 print(res.stderr[-2000:], file=sys.stderr)
                 return 1
             r = json.loads(res.stdout.strip().splitlines()[-1])
-            print(f"{fmt:<10} {args.style:<19} {r['input_bytes'] / 1e9:>9.2f} {r['output_bytes'] / 1e9:>10.2f} {r['seconds']:>8.1f} {r['gb_per_s']:>6.2f} {r['peak_rss_bytes'] / 1e9:>12.2f}", flush=True)
+            print(f"{fmt:<10} {args.style:<19} {r['input_bytes'] / 1e9:>9.2f} {r['output_bytes'] / 1e9:>10.2f} "
+                  f"{r['seconds']:>8.1f} {r['gb_per_s']:>6.2f} {r['peak_rss_bytes'] / 1e9:>12.2f}", flush=True)
             shutil.rmtree(dst, ignore_errors=True)
     finally:
         if not args.workdir:

@@ -53,7 +53,7 @@ def main() -> int:
     print(f"nvidia-modelopt {modelopt.__version__}, torch {torch.__version__}")
     g = torch.Generator().manual_seed(0)
     ok = True
-    for seed, shape in enumerate([(256, 512), (3, 64, 256), (1024, 2048)]):
+    for shape in [(256, 512), (3, 64, 256), (1024, 2048)]:
         w = (torch.randn(shape, generator=g) * torch.exp(torch.randn(shape[:-1] + (1,), generator=g))).to(torch.bfloat16)
         w.view(-1)[:64] = 0  # all-zero blocks
         w2 = w.reshape(-1, shape[-1])
@@ -63,7 +63,8 @@ def main() -> int:
         ours = quantize_nvfp4(w2)
         same_scale = torch.equal(ours.block_scale.view(torch.uint8), s_theirs.view(torch.uint8)) and ours.global_scale.item() == s2_theirs.float().item()
         diff = int(_differing_codes(ours.codes, theirs._quantized_data).sum())
-        print(f"NVFP4 {list(w2.shape)}: scales identical={same_scale}, weight_scale_2 ours={ours.global_scale.item():.9g} theirs={s2_theirs.float().item():.9g}, differing codes={diff}")
+        print(f"NVFP4 {list(w2.shape)}: scales identical={same_scale}"
+              f", weight_scale_2 ours={ours.global_scale.item():.9g} theirs={s2_theirs.float().item():.9g}, differing codes={diff}")
         ok &= same_scale and diff == 0
 
         # MXFP4

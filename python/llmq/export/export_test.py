@@ -64,7 +64,8 @@ def test_expected_names_per_style():
     mo = WeightExportSpec("a.q", "nvfp4", style="modelopt", static_input_scale=True).tensor_names()
     assert mo == {"weight": "a.q.weight", "scale": "a.q.weight_scale", "global_scale": "a.q.weight_scale_2", "input_scale": "a.q.input_scale"}
     ct = WeightExportSpec("a.q", "nvfp4", style="compressed-tensors", static_input_scale=True).tensor_names()
-    assert ct == {"weight": "a.q.weight_packed", "scale": "a.q.weight_scale", "global_scale": "a.q.weight_global_scale", "input_scale": "a.q.input_global_scale"}
+    assert ct == {"weight": "a.q.weight_packed", "scale": "a.q.weight_scale",
+                  "global_scale": "a.q.weight_global_scale", "input_scale": "a.q.input_global_scale"}
     i = WeightExportSpec("a.q", "int", style="compressed-tensors", bits=4, group_size=32, symmetric=False).tensor_names()
     assert i == {"weight": "a.q.weight_packed", "scale": "a.q.weight_scale", "zero_point": "a.q.weight_zero_point", "shape": "a.q.weight_shape"}
 

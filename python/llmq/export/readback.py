@@ -120,7 +120,7 @@ def _scheme_lookup(cfg: Mapping[str, Any], folder: str, problems: List[str]) -> 
     if method == "compressed-tensors":
         groups = []
         for gid, group in (qc.get("config_groups") or {}).items():
-            fields = _first(lambda h: h.from_compressed_tensors(group))
+            fields = _first(lambda h, group=group: h.from_compressed_tensors(group))
             if fields is None:
                 problems.append(f"config.json: quantization_config group {gid} (format {group.get('format')!r}) is read by no registered format")
                 continue
@@ -189,7 +189,7 @@ def _layers(files: "_Folder") -> Dict[str, List[str]]:
         module, _, leaf = n.rpartition(".")
         by_module.setdefault(module, []).append(leaf)
     return {m: leaves for m, leaves in by_module.items()
-            if any(l in ("weight", "weight_packed") and len(files.meta(f"{m}.{l}")[1]) == 2 for l in leaves)}
+            if any(leaf in ("weight", "weight_packed") and len(files.meta(f"{m}.{leaf}")[1]) == 2 for leaf in leaves)}
 
 
 # --------------------------------------------------------------------------------------------
@@ -220,7 +220,8 @@ def verify_export(folder: str, reference: Reference = None) -> ExportReport:
         fields = lookup(module)
         if fields is None:
             if "weight_scale" in leaves:
-                report.problems.append(f"{module}.weight_scale: stored, but the quantization_config does not quantize {module} (the reader loads it unquantized)")
+                report.problems.append(f"{module}.weight_scale: stored, but the quantization_config does not quantize {module}"
+                                       " (the reader loads it unquantized)")
             continue
         try:
             spec = WeightExportSpec(module, style=style, **fields)
@@ -283,14 +284,16 @@ def _verify_module(files: _Folder, spec: WeightExportSpec, reference: Any, repor
         for name, t in expect_tensors.items():
             got = stored[_role_of(names, name)]
             if got.shape != t.shape or not torch.equal(got.reshape(-1).view(torch.uint8), t.contiguous().reshape(-1).view(torch.uint8)):
-                diff = "shape" if got.shape != t.shape else f"{int((got.reshape(-1).view(torch.uint8) != t.contiguous().reshape(-1).view(torch.uint8)).sum())} bytes"
+                diff = ("shape" if got.shape != t.shape
+                        else f"{int((got.reshape(-1).view(torch.uint8) != t.contiguous().reshape(-1).view(torch.uint8)).sum())} bytes")
                 report.problems.append(f"{name}: differs from what was quantized ({diff})")
         expect = fmt.dequantize(reference, torch.float32)
         err = (decoded - expect).abs()
         report.max_error[spec.module] = float(err.max()) if err.numel() else 0.0
         tol = spec.hook.readback_rel_tolerance(spec)
         if not bool((err <= expect.abs() * tol).all()):
-            report.problems.append(f"{spec.module}: decoded weight differs from llmq's dequantization by up to {report.max_error[spec.module]:.3g} (scales: {', '.join(scales)})")
+            report.problems.append(f"{spec.module}: decoded weight differs from llmq's dequantization by up to {report.max_error[spec.module]:.3g}"
+                                   f" (scales: {', '.join(scales)})")
         return
     w = reference.detach().float()
     if tuple(w.shape) != tuple(decoded.shape):
@@ -301,7 +304,8 @@ def _verify_module(files: _Folder, spec: WeightExportSpec, reference: Any, repor
     rel = float(err.norm() / w.norm()) if float(w.norm()) > 0 else float(err.norm())
     bound = spec.hook.rel_rms_bound(spec)
     if not rel <= bound:
-        report.problems.append(f"{spec.module}: relative RMS error {rel:.3g} against the original weight exceeds {spec.format}'s bound {bound:.3g} (scales: {', '.join(scales)})")
+        report.problems.append(f"{spec.module}: relative RMS error {rel:.3g} against the original weight exceeds {spec.format}'s bound {bound:.3g}"
+                               f" (scales: {', '.join(scales)})")
 
 
 def read_export(folder: str, dtype: torch.dtype = torch.float32) -> Iterator[Tuple[str, torch.Tensor]]:

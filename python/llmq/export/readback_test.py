@@ -9,7 +9,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from llmq.export import ExportState, consumer_warnings, make_spec, read_export, verify_export, write_hf_quantized_checkpoint
+from llmq.export import (
+    ExportState,
+    consumer_warnings,
+    make_spec,
+    read_export,
+    verify_export,
+    write_hf_quantized_checkpoint,
+)
 from llmq.quant.presets import FP8_PER_CHANNEL as FP8_CHANNEL, INT4, MXFP4, MXFP8, NVFP4
 from llmq.quant.recipe import QuantConfig
 

@@ -173,7 +173,8 @@ class ShardWriter:
         """Write the last shard, give shards their final names, write the index. Returns the
         shard file names."""
         if self._done:
-            raise ValueError(f"{len(self._done)} tensor(s) of the interrupted export were not produced again (e.g. {sorted(self._done)[0]!r}); the input or recipe changed - start over")
+            raise ValueError(f"{len(self._done)} tensor(s) of the interrupted export were not produced again (e.g. {sorted(self._done)[0]!r})"
+                             "; the input or recipe changed - start over")
         self._flush()
         count = len(self._shards)
         if count == 0:

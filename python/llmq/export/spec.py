@@ -20,6 +20,7 @@ from llmq.quant.formats import format_names, get_format
 from llmq.quant.formats.hf_export import STYLES, HFExport, scalar_shape
 from llmq.quant.recipe import INT_FORMAT
 
+
 def export_format_names() -> Tuple[str, ...]:
     """Registered format names whose family declares an HF export hook (Format.hf_export)."""
     return tuple(n for n in format_names() if get_format(n).hf_export is not None)

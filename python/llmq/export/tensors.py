@@ -38,7 +38,8 @@ def quantize_for_spec(weight: torch.Tensor, spec: WeightExportSpec, state: Expor
     return spec.hook.quantize(weight, spec, state)
 
 
-def export_quantized_weight_tensors(weight, spec: WeightExportSpec, state: Optional[ExportState] = None, dtype: Optional[torch.dtype] = None) -> Dict[str, torch.Tensor]:
+def export_quantized_weight_tensors(weight, spec: WeightExportSpec, state: Optional[ExportState] = None,
+                                    dtype: Optional[torch.dtype] = None) -> Dict[str, torch.Tensor]:
     """name -> tensor for one module's quantized weight, in spec.style's names/dtypes/shapes.
 
     weight: a float tensor [N, K] (or stacked [E, N, K] for the FP formats: every output then

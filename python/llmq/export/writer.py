@@ -41,7 +41,6 @@ from llmq.export.spec import (
     merge_export_states,
     needs_tensor_amax,
 )
-from llmq.checkpoint.shard_file import placeholder
 from llmq.export.tensors import export_quantized_weight_tensors
 from llmq.quant.codecs import FLOAT_DTYPES
 from llmq.quant.row_blocks import SECOND_PASS_KEPT_BLOCKS, RowBlocks
@@ -226,7 +225,7 @@ class _Exporter:
                     "never written unquantized silently - add a rule for them"
                 )
             if len(leaves) == 2 and all(needs_tensor_amax(s) for s in specs.values()) and len({(s.format, s.granularity) for s in specs.values()}) == 1:
-                merged = merge_export_states([self.state_for(parts[l], specs[l]) for l in leaves])
+                merged = merge_export_states([self.state_for(parts[leaf], specs[leaf]) for leaf in leaves])
                 states = {leaf: merged for leaf in leaves}
             else:
                 states = {leaf: self.state_for(parts[leaf], specs[leaf]) for leaf in leaves}

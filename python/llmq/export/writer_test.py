@@ -86,7 +86,8 @@ def _canonical(module, w, sources, config):
     NVFP4 global scale (max over q/k/v or over gate/up), computed here independently."""
     if config.format == "nvfp4":
         parent, _, leaf = module.rpartition(".")
-        group = ("q_proj", "k_proj", "v_proj") if leaf in ("q_proj", "k_proj", "v_proj") else ("gate_proj", "up_proj") if leaf in ("gate_proj", "up_proj") else (leaf,)
+        group = (("q_proj", "k_proj", "v_proj") if leaf in ("q_proj", "k_proj", "v_proj")
+                 else ("gate_proj", "up_proj") if leaf in ("gate_proj", "up_proj") else (leaf,))
         amax = max(sources[f"{parent}.{s}"].float().abs().max() for s in group)
         return dequantize(quantize_nvfp4(w, global_scale=amax / 2688.0), torch.float32)
     return dequantize(quantize_weight(w, config), torch.float32)
@@ -147,10 +148,12 @@ def test_transformers_loads_our_compressed_tensors_folder(config, tmp_path):
 
     from llmq.export import dequantize_exported_tensors, make_spec
 
-    cfg = Qwen3Config(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=256, tie_word_embeddings=False)
+    cfg = Qwen3Config(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=32, vocab_size=256, tie_word_embeddings=False)
     torch.manual_seed(0)
     sd = Qwen3ForCausalLM(cfg).to(torch.bfloat16).state_dict()
-    recipe = lambda fqn: None if fqn.endswith(UNQUANTIZED) else config
+    def recipe(fqn):
+        return None if fqn.endswith(UNQUANTIZED) else config
     hf_config = {**cfg.to_dict(), "architectures": ["Qwen3ForCausalLM"]}
     write_hf_quantized_checkpoint(str(tmp_path / "m"), iter(sd.items()), recipe, style="compressed-tensors", config=hf_config)
     model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "m"), quantization_config=CompressedTensorsConfig(run_compressed=False), dtype=torch.bfloat16)
@@ -205,7 +208,8 @@ def test_modelopt_folder_matches_documented_formulas(tiny_moe, tmp_path):
         assert torch.equal(deq, _canonical(module, w, sources, NVFP4)), module
         # The shared global scale is max(sibling amax) / (6 * 448).
         parent, _, leaf = module.rpartition(".")
-        sib = ("q_proj", "k_proj", "v_proj") if leaf in ("q_proj", "k_proj", "v_proj") else ("gate_proj", "up_proj") if leaf in ("gate_proj", "up_proj") else (leaf,)
+        sib = (("q_proj", "k_proj", "v_proj") if leaf in ("q_proj", "k_proj", "v_proj")
+               else ("gate_proj", "up_proj") if leaf in ("gate_proj", "up_proj") else (leaf,))
         amax = max(sources[f"{parent}.{x}"].float().abs().max() for x in sib)
         assert s2.item() == (amax / 2688.0).item(), module
         if module in act_amax:
@@ -216,7 +220,8 @@ def test_modelopt_folder_matches_documented_formulas(tiny_moe, tmp_path):
 
 def test_single_format_modelopt_config_and_exclusions(tiny_moe, tmp_path):
     cfg, sd = tiny_moe
-    recipe = lambda fqn: None if fqn.endswith(UNQUANTIZED) else FP8_CHANNEL
+    def recipe(fqn):
+        return None if fqn.endswith(UNQUANTIZED) else FP8_CHANNEL
     write_hf_quantized_checkpoint(str(tmp_path / "fp8"), iter(sd.items()), recipe, style="modelopt", config=cfg.to_dict())
     q = json.loads((tmp_path / "fp8" / "hf_quant_config.json").read_text())["quantization"]
     assert q == {
@@ -231,7 +236,8 @@ def test_single_format_modelopt_config_and_exclusions(tiny_moe, tmp_path):
 
 def test_embeddings_head_and_router_stay_unquantized_unless_asked(tiny_moe, tmp_path):
     cfg, sd = tiny_moe
-    everything = lambda fqn: MXFP8
+    def everything(fqn):
+        return MXFP8
     s = write_hf_quantized_checkpoint(str(tmp_path / "a"), iter(sd.items()), everything, style="compressed-tensors")
     assert s.excluded_modules == ["lm_head", "model.embed_tokens", "model.layers.0.mlp.gate"]
     s = write_hf_quantized_checkpoint(str(tmp_path / "b"), iter(sd.items()), everything, style="compressed-tensors", keep_unquantized=[r".*embed_tokens"])
@@ -296,7 +302,8 @@ def test_interrupted_export_resumes_to_identical_bytes(tiny_moe, tmp_path):
 
 def test_fused_experts_are_never_silently_left_unquantized(tiny_moe, tmp_path):
     cfg, sd = tiny_moe
-    recipe = lambda fqn: None if (fqn.endswith(UNQUANTIZED) or ".experts." in fqn) else NVFP4
+    def recipe(fqn):
+        return None if (fqn.endswith(UNQUANTIZED) or ".experts." in fqn) else NVFP4
     with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts\.gate_up_proj: the recipe gives no quantization"):
         write_hf_quantized_checkpoint(str(tmp_path / "x"), iter(sd.items()), recipe)
     assert not (tmp_path / "x").exists()
@@ -312,7 +319,8 @@ def test_bad_configs_name_the_tensor(tiny_moe, tmp_path):
     with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.k_proj\.weight: FP8 block128 needs.*got shape \[64, 128\]"):
         write_hf_quantized_checkpoint(str(tmp_path / "x"), iter(bad.items()), lambda f: None if f.endswith(UNQUANTIZED) else FP8_BLOCK)
     with pytest.raises(ValueError, match=r"ModelOpt's per-tensor FP8 .* needs a static input scale"):
-        write_hf_quantized_checkpoint(str(tmp_path / "x"), iter(sd.items()), lambda f: None if f.endswith(UNQUANTIZED) else {"format": "fp8", "granularity": "tensor"})
+        write_hf_quantized_checkpoint(str(tmp_path / "x"), iter(sd.items()),
+                                      lambda f: None if f.endswith(UNQUANTIZED) else {"format": "fp8", "granularity": "tensor"})
     assert os.listdir(tmp_path) == []
 
 

@@ -7,14 +7,12 @@ h is requantized to int8, so an fp32-vs-float64 difference in h can flip one rou
 reference reports the size of one such flip per output and two are allowed.
 """
 
-import math
 import os
 
 import pytest
 import torch
 
-from llmq.ops import (kernel_route, moe_reference, pack_moe_experts, quantized_moe_ffn,
-                      route_reference, set_kernel_isa)
+from llmq.ops import kernel_route, moe_reference, pack_moe_experts, quantized_moe_ffn, route_reference, set_kernel_isa
 from llmq.ops.moe_op import set_kernel_schedule
 from llmq.ops.moe_testing import random_group_quantized, random_moe
 from llmq.ops.packing import pack_matrix_tiles, pack_with_kernel, unpack_matrix_tiles

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 
-
 import torch
 
 from llmq.quant.formats import GroupQuantizedWeight, unpack_bits

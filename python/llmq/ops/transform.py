@@ -17,12 +17,11 @@ from typing import List, Optional, Union
 import torch
 from torch import nn
 
+import llmq.ops.moe_op  # noqa: F401  (registers torch.ops.llmq.quantized_moe_ffn)
 from llmq.ops.kernel_loader import load_kernel
 from llmq.ops.moe_reference import moe_reference
 from llmq.ops.packing import PackedExperts, pack_moe_experts, unpack_matrix_tiles, unpack_moe_w13
 from llmq.quant import QuantConfig, QuantRecipe, quantize_weight
-
-import llmq.ops.moe_op  # noqa: F401  (registers torch.ops.llmq.quantized_moe_ffn)
 
 
 def is_qwen_moe_block(module: nn.Module) -> bool:

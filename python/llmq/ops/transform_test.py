@@ -7,8 +7,8 @@ import torch
 from transformers import Qwen3_5MoeForCausalLM
 from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
 
-from llmq.ops.packing import pack_matrix_tiles, unpack_matrix_tiles
 from llmq.ops.moe_testing import random_group_quantized
+from llmq.ops.packing import pack_matrix_tiles, unpack_matrix_tiles
 from llmq.ops.transform import QuantizedMoEBlock, replace_moe_blocks
 from llmq.quant import QuantConfig, QuantRecipe, QuantRule
 

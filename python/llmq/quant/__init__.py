@@ -21,10 +21,10 @@ from llmq.quant.formats import (
 )
 from llmq.quant.formats.int_affine import from_torchao, to_torchao
 from llmq.quant.fuse import fuse_along_output
-from llmq.quant.quantize_model import QuantizationReport, ReportEntry, quantize_model
 from llmq.quant.modules import QuantizedEmbedding, QuantizedLinear
 from llmq.quant.presets import PRESETS, get_preset, load_recipe, register_preset
 from llmq.quant.quantize import dequantize, quantize_weight
+from llmq.quant.quantize_model import QuantizationReport, ReportEntry, quantize_model
 from llmq.quant.recipe import QuantConfig, QuantRecipe, QuantRule
 from llmq.quant.stream import quantize_stream
 

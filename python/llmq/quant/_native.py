@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 from types import ModuleType
-from typing import List, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 

@@ -53,7 +53,8 @@ def main() -> None:
     ap.add_argument("--search_shape", default="1024x1024", help="ROWSxCOLS of the search/hqq table's weight")
     args = ap.parse_args()
     threads = [int(t) for t in args.threads.split(",")]
-    print(f"kernel: {'available, isa ' + str(_native.best_isa()) if _native.native_kernel_available() else 'NOT available: ' + str(_native.native_kernel_error())}")
+    available = _native.native_kernel_available()
+    print(f"kernel: {'available, isa ' + str(_native.best_isa()) if available else 'NOT available: ' + str(_native.native_kernel_error())}")
     print(f"{'shape':<22}{'config':<18}{'path':<8}{'threads':>8}{'best GB/s':>11}{'median GB/s':>13}")
     for shape_name, shape in SHAPES.items():
         if args.quick and shape_name != "4096x4096":
@@ -62,9 +63,9 @@ def main() -> None:
         nbytes = w.numel() * w.element_size()
         for cfg_name, cfg in CONFIGS.items():
             for t in threads:
-                paths = [("torch", lambda: quantize_weight_torch(w, cfg))]
+                paths = [("torch", lambda w=w, cfg=cfg: quantize_weight_torch(w, cfg))]
                 if _native.native_kernel_available():
-                    paths.append(("kernel", lambda: quantize_weight(w, cfg)))
+                    paths.append(("kernel", lambda w=w, cfg=cfg: quantize_weight(w, cfg)))
                 for path, fn in paths:
                     torch.set_num_threads(t)
                     _native.set_num_threads(t)
@@ -113,7 +114,7 @@ def search_table(repeats: int, threads, shape) -> None:
             _native.set_num_threads(t)
             for method in ("minmax", "search") + (("hqq",) if not sym and t == 1 else ()):
                 cfg = QuantConfig(bits=bits, group_size=32, symmetric=sym, method=method)
-                wall, cpu = _time_cpu(lambda: quantize_weight(w, cfg), max(1, min(repeats, 3)))
+                wall, cpu = _time_cpu(lambda cfg=cfg: quantize_weight(w, cfg), max(1, min(repeats, 3)))
                 if method not in errors:
                     errors[method] = float((dequantize(quantize_weight(w, cfg), torch.float32).double()
                                             - w.double()).square().sum())
@@ -130,7 +131,7 @@ def hqq_kernel_table(repeats: int, threads) -> None:
     w = torch.randn(2048, 4096, generator=torch.Generator().manual_seed(0)) * 0.02
     print(f"\n{'hqq kernel 2048x4096':<22}{'config':<18}{'threads':>8}{'best MB/s':>11}{'median MB/s':>13}")
     for t in threads:
-        best, med = _time(lambda: _native.hqq_qparams(w, 32, 4, threads=t), repeats)
+        best, med = _time(lambda t=t: _native.hqq_qparams(w, 32, 4, threads=t), repeats)
         print(f"{'N(0, 0.02^2)':<22}{'int4 g32 asym':<18}{t:>8}{w.numel() * 2 / best / 1e6:>11.1f}{w.numel() * 2 / med / 1e6:>13.1f}", flush=True)
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from llmq.quant import dequantize, quantize_weight
-from llmq.quant.budget import DEFAULT_OPTIONS, Option, budget_recipe, choose, measure_options, weight_error
+from llmq.quant.budget import DEFAULT_OPTIONS, Option, budget_recipe, choose, measure_options
 from llmq.quant.recipe import QuantConfig, QuantRecipe
 from llmq.quant.storage import Storage, group_tensors
 

@@ -5,8 +5,7 @@ has, for random and adversarial inputs (ties, zeros, subnormals, extremes, odd s
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from llmq.quant import QuantConfig, _native, native_kernel_available, quantize_weight
 from llmq.quant.formats.int_affine import quantize_weight_torch

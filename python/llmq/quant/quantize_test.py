@@ -8,8 +8,7 @@ with block_size (1, ..., group_size). Bit-for-bit comparisons view float32 as in
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 from torchao.quantization.quant_primitives import (
     MappingType,
     choose_qparams_affine,

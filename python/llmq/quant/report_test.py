@@ -70,7 +70,7 @@ def test_streamed_report_writes_csv_markdown_png(tmp_path):
     want_sqnr = 10 * math.log10(sum(r.signal for r in report.rows) / sum(r.noise for r in report.rows))
     assert abs(total.sqnr_db - want_sqnr) < 1e-12 and "3 tensors" in report.summary()
     md = open(paths["md"]).read().splitlines()
-    assert md[0].startswith("| name | format |") and len([l for l in md if l.startswith("| a.")]) == 3
+    assert md[0].startswith("| name | format |") and len([line for line in md if line.startswith("| a.")]) == 3
     from PIL import Image  # matplotlib's own dependency
 
     with Image.open(paths["png"]) as img:

@@ -3,7 +3,16 @@
 import pytest
 import torch
 
-from llmq.quant import GroupQuantizedWeight, QuantConfig, QuantRecipe, QuantRule, dequantize, get_preset, quantize_stream, quantize_weight
+from llmq.quant import (
+    GroupQuantizedWeight,
+    QuantConfig,
+    QuantRecipe,
+    QuantRule,
+    dequantize,
+    get_preset,
+    quantize_stream,
+    quantize_weight,
+)
 
 CFG = QuantConfig(bits=4, group_size=32)
 
@@ -74,7 +83,7 @@ def test_errors_name_the_tensor():
 
 
 def test_module_of_selects_non_weight_tensors_and_vetoes_others():
-    from llmq.quant import QuantConfig, QuantRecipe, QuantRule, GroupQuantizedWeight, quantize_stream
+    from llmq.quant import GroupQuantizedWeight, QuantConfig, QuantRecipe, QuantRule, quantize_stream
 
     recipe = QuantRecipe([QuantRule(".*", QuantConfig(bits=4, group_size=16))])
     g = torch.Generator().manual_seed(0)

@@ -31,10 +31,8 @@ from llmq.quant.formats.int_affine import (
     dequantize_canonical,
     validate_layout,
 )
-from llmq.quant.formats.fp8 import FP8Format
 from llmq.quant.formats.mx import MXFormat
 from llmq.quant.formats.nvfp4 import NVFP4Format
-from llmq.quant.formats.gguf_blocks import GGUFBlockFormat
 
 # The registrations: one line per family.
 register_format(IntAffineFormat())

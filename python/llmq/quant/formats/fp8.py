@@ -182,7 +182,8 @@ class FP8HFExport(HFExport):
 
     def check(self, spec, where):
         if spec.style == "modelopt" and spec.granularity == "tensor" and not spec.static_input_scale:
-            raise ValueError(f"{where}: ModelOpt's per-tensor FP8 (quant_algo FP8) needs a static input scale; give an activation amax, or use granularity 'channel' / 'block128' for weight-only FP8")
+            raise ValueError(f"{where}: ModelOpt's per-tensor FP8 (quant_algo FP8) needs a static input scale"
+                             "; give an activation amax, or use granularity 'channel' / 'block128' for weight-only FP8")
         if spec.static_input_scale and spec.granularity == "block128":
             raise ValueError(f"{where}: FP8 128x128 blocks use dynamic activation scales; static_input_scale is not supported")
 

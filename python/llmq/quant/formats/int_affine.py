@@ -452,7 +452,8 @@ class IntAffineHFExport(HFExport):
 
     def normalize(self, spec, where):
         if spec.style != "compressed-tensors":
-            raise ValueError(f"{where}: integer weights are exported in the compressed-tensors style (pack-quantized); ModelOpt's INT4 AWQ layout is not supported")
+            raise ValueError(f"{where}: integer weights are exported in the compressed-tensors style (pack-quantized)"
+                             "; ModelOpt's INT4 AWQ layout is not supported")
         out = super().normalize(spec, where)
         if spec.bits not in SUPPORTED_BITS:
             raise ValueError(f"{where}: int bits={spec.bits} unsupported; expected 2..8")
@@ -509,7 +510,8 @@ class IntAffineHFExport(HFExport):
             zero = -(q.bias.double() / q.scale.double())
             zr = zero.round()
             if not (torch.equal(zero, zr) and bool(((zr >= 0) & (zr < 2 * half)).all()) and torch.equal((-zr * q.scale.double()).float(), q.bias)):
-                raise ValueError(f"{where}: bias/scale is not an integer zero point in [0, {2 * half}); the weight (e.g. HQQ float zeros) has no exact pack-quantized form")
+                raise ValueError(f"{where}: bias/scale is not an integer zero point in [0, {2 * half})"
+                                 "; the weight (e.g. HQQ float zeros) has no exact pack-quantized form")
             zp = zr.to(torch.uint8).t().contiguous()  # [G, N]: packed along the output dimension
             padded = torch.nn.functional.pad(zp, (0, (-n) % 32))
             words = _bytes_to_int32_words(pack_bits(padded, q.bits))[:, : -(-n * q.bits // 32)]
