@@ -5,10 +5,9 @@ any model's quantize_and_save finds the architecture of the checkpoint it is giv
 Add a model: one line here (and its :architecture in //models:architectures' deps).
 """
 
-from models.pipeline.arch import register_architecture
-
 from models.gemma3.architecture import ARCHITECTURE as GEMMA3
 from models.gemma4.architecture import ARCHITECTURE as GEMMA4
+from models.pipeline.arch import register_architecture
 from models.qwen.architecture import ARCHITECTURE as QWEN
 
 ARCHITECTURES = tuple(register_architecture(arch) for arch in (GEMMA3, GEMMA4, QWEN))

@@ -20,6 +20,7 @@ from llmq.quant import GroupQuantizedWeight
 from llmq.quant.formats import dequantize_canonical
 from models.common.loading import load_model
 from models.gemma3.architecture import ARCHITECTURE
+from models.gemma3.config import ModelConfig
 from models.pipeline import gguf_input
 from models.pipeline.quantize_and_save import run
 

@@ -24,8 +24,8 @@ from llmq.quant import GroupQuantizedWeight
 from llmq.quant.formats import dequantize_canonical
 from models.common.text_check import text_agreement, text_rows
 from models.common.tokenizer import load_tokenizer, write_tokenizer_files
-from models.gemma3.config import ModelConfig
 from models.gemma3.architecture import ARCHITECTURE
+from models.gemma3.config import ModelConfig
 from models.pipeline import gguf_input
 from models.pipeline.agreement import format_table
 from models.pipeline.hf_checkpoint import write_hf_checkpoint

@@ -10,9 +10,9 @@ import torch
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
 from models.common import parity
+from models.gemma3.architecture import ARCHITECTURE
 from models.gemma3.config import ModelConfig
 from models.gemma3.model import build_model
-from models.gemma3.architecture import ARCHITECTURE
 
 LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention", "full_attention"]
 

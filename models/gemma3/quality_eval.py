@@ -37,7 +37,6 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
@@ -217,8 +216,8 @@ def main(argv=None) -> int:
 
     from llmq.quant import GroupQuantizedWeight
     from llmq.quant.formats import dequantize_canonical
-    from models.gemma3.config import ModelConfig
     from models.gemma3.architecture import ARCHITECTURE
+    from models.gemma3.config import ModelConfig
     from models.pipeline import gguf_input
     from models.pipeline.quantized_model import build_quantized_model
 
@@ -316,7 +315,7 @@ def main(argv=None) -> int:
                     counts[c.describe()] = counts.get(c.describe(), 0) + 1
                 print(f"{name} {budget}: {counts}", flush=True)
                 key = f"{name}@{budget:g}"
-                variants[key], bpw[key] = llmq_variant(reference, names, lambda n: chosen[n], storage,
+                variants[key], bpw[key] = llmq_variant(reference, names, chosen.__getitem__, storage,
                                                        importance={n: importance[n[: -len(".weight")]] for n in names})
             continue
         else:

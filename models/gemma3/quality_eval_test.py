@@ -6,10 +6,9 @@ import torch
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
 from llmq.quant import QuantConfig, dequantize, quantize_weight
-from models.gemma3.config import ModelConfig
 from models.gemma3.architecture import ARCHITECTURE
+from models.gemma3.config import ModelConfig
 from models.gemma3.quality_eval import Evaluator, off_grid, on_grid_fraction, projection_names
-from models.gemma3.spec import ARCHITECTURE
 from models.pipeline.quantized_model import build_quantized_model
 
 

@@ -4,8 +4,8 @@ ExecuTorch .pte of the quantized Gemma 4 (prefill and decode methods, XNNPACK): 
 The cache layout is the .pt2 export's (models/gemma4/export_pt2.py).
 """
 
-from models.gemma4.export_pt2 import DYNAMIC_PROMPT, cache_layout
 from models.gemma4.architecture import ARCHITECTURE
+from models.gemma4.export_pt2 import DYNAMIC_PROMPT, cache_layout
 from models.pipeline import export_pte
 
 if __name__ == "__main__":

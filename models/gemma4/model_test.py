@@ -14,9 +14,9 @@ from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 from models.common import parity
 from models.common.loading import load_model
 from models.gemma4 import keymap
+from models.gemma4.architecture import ARCHITECTURE
 from models.gemma4.config import ModelConfig
 from models.gemma4.model import build_model
-from models.gemma4.architecture import ARCHITECTURE
 
 LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention", "full_attention"]
 

@@ -6,8 +6,14 @@ import types
 import pytest
 
 from models.pipeline import arch as arch_mod
-from models.pipeline.arch import (ModelPackageError, architecture_for_gguf, architecture_for_model_type,
-                                  package_architecture, register_architecture, registered_architectures)
+from models.pipeline.arch import (
+    ModelPackageError,
+    architecture_for_gguf,
+    architecture_for_model_type,
+    package_architecture,
+    register_architecture,
+    registered_architectures,
+)
 
 
 class _Config:

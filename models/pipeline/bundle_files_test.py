@@ -10,6 +10,7 @@ import torch
 from llmq.checkpoint import load_bundle, read_manifest
 from models.pipeline.default_model import write_default_checkpoint
 from models.pipeline.quantize_and_save import run
+from models.pipeline.quantized_model import build_quantized_model
 from models.qwen.architecture import ARCHITECTURE as QWEN
 
 

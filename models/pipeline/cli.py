@@ -53,7 +53,8 @@ flags.DEFINE_string("calibration_text", None, "A UTF-8 text file (not the text y
                     "gains each layer's output error. Without it every method is calibration-free.")
 flags.DEFINE_integer("calibration_tokens", 512, "Tokens of --calibration_text to run.", lower_bound=2)
 flags.DEFINE_float("budget_bits_per_weight", None, "Choose per matrix among 3/4/5/6/8-bit integer formats so the "
-                   "matrices the recipe quantizes fit this many bits per weight as --backend writes them (scales and biases included: the bundle's float32 pair, an MLX folder's 16-bit pair) with the "
+                   "matrices the recipe quantizes fit this many bits per weight as --backend writes them (scales and biases "
+                   "included: the bundle's float32 pair, an MLX folder's 16-bit pair) with the "
                    "smallest (importance-weighted) error; the choice is written to <out>/budget_recipe.json, an "
                    "ordinary recipe (--recipe=that file reproduces it).", lower_bound=1.0)
 flags.DEFINE_enum("budget_method", "hqq", ["minmax", "search", "hqq"], "Rounding method of the "

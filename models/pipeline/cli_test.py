@@ -31,8 +31,8 @@ class _WriteOnly(BundleBackend):
 register_backend(_WriteOnly())
 
 from models.architectures import GEMMA3, GEMMA4, QWEN  # noqa: E402
-from models.pipeline.default_model import write_default_checkpoint  # noqa: E402
 from models.pipeline.cli_testing import run_main  # noqa: E402
+from models.pipeline.default_model import write_default_checkpoint  # noqa: E402
 
 INDEX = "model.safetensors.index.json"
 

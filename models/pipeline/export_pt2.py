@@ -34,6 +34,7 @@ from llmq.quant import QuantizedEmbedding, QuantizedLinear
 from llmq.quant.modules import dequantize_graph
 from models.common.cache import ModelCache, StaticKVCache
 from models.pipeline import inputs, quantize_and_save
+from models.pipeline.agreement import format_table
 from models.pipeline.arch import Architecture
 from models.pipeline.quantized_model import _StackedQuantized, build_quantized_model
 

@@ -235,8 +235,7 @@ def test_gemma_pte_prefill_and_decode(tmp_path, model):
 
 def test_qwen_pte_prefill_and_decode(tmp_path):
     # the experts run llmq's MoE kernel inside the .pte (every MoE layer, both methods); the rest as for Gemma
-    from models.qwen import export_pt2 as qwen_export
-    from models.qwen import architecture as qwen_architecture
+    from models.qwen import architecture as qwen_architecture, export_pt2 as qwen_export
 
     result, scale, _, steps = _model_case(qwen_architecture, qwen_export, tmp_path)
     assert result["counts"]["moe_op_blocks"] > 0 and result["counts"]["expert_blocks"] == 0

@@ -14,8 +14,7 @@ bounded: about 1,500 examples.
 import math
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from llmq.checkpoint.testing_util import time_limit
 from models.gemma3.architecture import ARCHITECTURE as GEMMA3

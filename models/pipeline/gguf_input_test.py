@@ -27,16 +27,16 @@ from llmq.checkpoint import CheckpointError, load_bundle
 from llmq.quant import GroupQuantizedWeight
 from llmq.quant.formats import dequantize_canonical
 from models.gemma4 import keymap as gemma_keymap
-from models.gemma4.gguf_checkpoint import GGUFConverter as GemmaConverter
 from models.gemma4.architecture import ARCHITECTURE as GEMMA4
+from models.gemma4.gguf_checkpoint import GGUFConverter as GemmaConverter
 from models.pipeline import arch as arch_registry
+from models.pipeline.agreement import compare_logits
 from models.pipeline.gguf_input import Metadata
 from models.pipeline.quantize_and_save import UsageError, run
 from models.pipeline.quantized_model import build_quantized_model
 from models.qwen import keymap as qwen_keymap
-from models.qwen.gguf_checkpoint import GGUFConverter as QwenConverter
-from models.qwen.gguf_checkpoint import hf_config_from_gguf as qwen_config_from_gguf
 from models.qwen.architecture import ARCHITECTURE as QWEN
+from models.qwen.gguf_checkpoint import GGUFConverter as QwenConverter, hf_config_from_gguf as qwen_config_from_gguf
 
 Q8_0, Q4_0 = gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0
 # Never quantized (llama.cpp keeps them float too): norms, vectors, convs, routers.

@@ -174,8 +174,7 @@ def test_row_blocks_write_the_files_of_whole_tensors(arch, backend, recipe, tmp_
     """The HF exports take large tensors as row blocks (run.ROW_BLOCK_BYTES); with 1 KiB blocks
     every file of the folder is byte for byte that of whole tensors."""
     from llmq.quant.row_blocks import RowBlocks
-    from models.pipeline import run as run_module
-    from models.pipeline import inputs
+    from models.pipeline import inputs, run as run_module
 
     recipe_arg = _fp_mixed(tmp_path) if recipe == "fp-mixed" else recipe
     checkpoint = write_default_checkpoint(arch, str(tmp_path / "ckpt"), seed=4)

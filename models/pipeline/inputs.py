@@ -13,8 +13,6 @@ import json
 import os
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-import torch
-
 from llmq.checkpoint import (
     TOKENIZER_FILES,
     CheckpointError,
@@ -29,7 +27,6 @@ from models.pipeline.arch import Architecture, architecture_for_gguf, architectu
 from models.pipeline.default_model import write_default_checkpoint, write_tiny_tokenizer
 from models.pipeline.streaming import merge_experts_stream
 from models.pipeline.usage_error import UsageError
-
 
 
 @dataclasses.dataclass

@@ -14,9 +14,11 @@ import torch
 from llmq.quant import GroupQuantizedWeight, QuantConfig, quantize_stream, quantize_weight
 from llmq.quant.formats import dequantize_canonical
 from models.gemma4.architecture import ARCHITECTURE as GEMMA4
+from models.pipeline.agreement import verification_prompt
 from models.pipeline.arch import quantizable_module
 from models.pipeline.default_model import write_default_checkpoint, write_tiny_tokenizer
 from models.pipeline.quantize_and_save import _read_hf_config, model_tensors, run
+from models.pipeline.quantized_model import build_quantized_model
 from models.qwen.architecture import ARCHITECTURE as QWEN
 
 mx = pytest.importorskip("mlx.core", reason="the MLX runtime (mlx, or mlx[cpu] on Linux) is not installed here")
@@ -24,7 +26,10 @@ pytest.importorskip("mlx_lm", reason="mlx-lm is not installed here")
 
 from mlx.utils import tree_flatten  # noqa: E402
 
-from llmq_mlx import backend as mlx_backend, mlx_group_size_for  # noqa: E402
+from llmq_mlx import (  # noqa: E402
+    backend as mlx_backend,
+    mlx_group_size_for,
+)
 from llmq_mlx.mlx_lm_models import gemma4 as gemma4_mlx, naming_for, qwen3_5_moe as qwen_mlx  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

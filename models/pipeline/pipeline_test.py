@@ -164,9 +164,8 @@ def test_row_blocks_write_the_bytes_of_whole_tensors(arch, recipe, tmp_path, mon
     """The bundle backend takes large tensors as row blocks (ROW_BLOCK_BYTES); with blocks of
     1 KiB (so every matrix, per-expert ones too, arrives in blocks) the bundle's tensor files
     are byte for byte those of whole tensors, and verification passes."""
-    from models.pipeline import run as run_module
-    from models.pipeline import inputs
     from llmq.quant.row_blocks import RowBlocks
+    from models.pipeline import inputs, run as run_module
 
     checkpoint = write_default_checkpoint(arch, str(tmp_path / "ckpt"), seed=5)
     monkeypatch.setattr(run_module, "ROW_BLOCK_BYTES", 1 << 40)  # never: every tensor whole

@@ -31,20 +31,23 @@ import torch
 from llmq.backend import BackendError, WriteJob, get_backend, storage_of, with_scale_dtypes
 from llmq.checkpoint import checkpoint_shapes, checkpoint_stored_types
 from llmq.checkpoint.fileio import write_error
-from llmq.quant import GroupQuantizedWeight, QuantConfig, QuantRecipe, dequantize, is_quantized, load_recipe, quantize_stream
-from llmq.quant.row_blocks import QuantizedRowBlocks, RowBlocks
+from llmq.quant import (
+    GroupQuantizedWeight,
+    QuantConfig,
+    QuantRecipe,
+    dequantize,
+    is_quantized,
+    load_recipe,
+    quantize_stream,
+)
 from llmq.quant.formats import get_format, nbytes_of
 from llmq.quant.report import ErrorReport
+from llmq.quant.row_blocks import QuantizedRowBlocks, RowBlocks
 from models.pipeline import gguf_input, inputs, verify as verification
-from models.pipeline.calibration import calibrate
-from models.pipeline.size_budget import RECIPE_FILE, choose_recipe
-from models.pipeline.arch import Architecture, quantizable_module
-from models.pipeline.checks import check_headers, check_stored_types, checked_stream, expected_tensors
-from models.pipeline.usage_error import UsageError
 from models.pipeline.agreement import format_table
 from models.pipeline.arch import Architecture, quantizable_module
 from models.pipeline.calibration import calibrate
-from models.pipeline.checks import check_headers, checked_stream, expected_tensors
+from models.pipeline.checks import check_headers, check_stored_types, checked_stream, expected_tensors
 from models.pipeline.size_budget import RECIPE_FILE, choose_recipe
 from models.pipeline.usage_error import UsageError
 

@@ -5,7 +5,6 @@ MLX folder holds llmq's values exactly: mx.dequantize of its arrays equals llmq'
 same weight quantized with the recipe (16-bit scales chosen by the methods, not rounded after)."""
 
 import json
-import math
 import os
 import struct
 

@@ -13,12 +13,9 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from models.common.text_check import DEFAULT_PROMPT, text_agreement, text_rows
 from models.common.tokenizer import has_tokenizer, load_tokenizer
-from models.pipeline.arch import Architecture
-from models.pipeline.quantized_model import build_quantized_model
 from models.pipeline.agreement import compare_logits, verdict, verification_prompt
 from models.pipeline.arch import Architecture
 from models.pipeline.quantized_model import build_quantized_model
-from models.pipeline.usage_error import UsageError
 
 
 def step(message: str) -> None:

@@ -19,8 +19,8 @@ from torch import nn
 from models.common.cache import StaticKVCache
 from models.pipeline import export_pt2
 from models.pipeline.export_pt2 import CacheEntry, StaticCacheLayout
-from models.qwen.model import DeltaNetState
 from models.qwen.architecture import ARCHITECTURE
+from models.qwen.model import DeltaNetState
 
 DYNAMIC_PROMPT = False
 

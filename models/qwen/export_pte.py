@@ -4,9 +4,9 @@ ExecuTorch .pte of the quantized Qwen3.5-MoE (prefill and decode methods, XNNPAC
 The cache layout is the .pt2 export's (models/qwen/export_pt2.py).
 """
 
-from models.qwen.export_pt2 import DYNAMIC_PROMPT, cache_layout
-from models.qwen.architecture import ARCHITECTURE
 from models.pipeline import export_pte
+from models.qwen.architecture import ARCHITECTURE
+from models.qwen.export_pt2 import DYNAMIC_PROMPT, cache_layout
 
 if __name__ == "__main__":
     export_pte.main_for(ARCHITECTURE, cache_layout, dynamic_prompt=DYNAMIC_PROMPT)

@@ -1,8 +1,8 @@
 """Qwen3.5-MoE's GGUF name table (from gguf-py's QWEN35MOE table) covers every model tensor, one name each."""
 
 from models.common.parity import check_gguf_names_round_trip
-from models.qwen.keymap import GGUF_EXPERT_PAIRS
 from models.qwen.architecture import ARCHITECTURE
+from models.qwen.keymap import GGUF_EXPERT_PAIRS
 
 
 def test_gguf_names_cover_the_model():

@@ -14,10 +14,10 @@ from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 from models.common import parity
 from models.common.loading import load_model
 from models.qwen import keymap
+from models.qwen.architecture import ARCHITECTURE
 from models.qwen.config import ModelConfig
 from models.qwen.delta_rule import delta_rule
 from models.qwen.model import build_model
-from models.qwen.architecture import ARCHITECTURE
 
 
 def tiny_hf_config(**overrides):

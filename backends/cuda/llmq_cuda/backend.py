@@ -20,8 +20,14 @@ import torch
 from llmq.backend import Backend, BundleBackend, WriteJob, register_backend
 from llmq.quant import GroupQuantizedWeight, pack_bits
 from llmq.quant.storage import Storage, group_tensors
-from llmq_cuda.tinygemm import (TINYGEMM_GROUP_SIZES, TINYGEMM_INNER_K_TILES, TinygemmInt4Weight, pack_tinygemm_int4,
-                                padded_out_features, unpack_tinygemm_int4)
+from llmq_cuda.tinygemm import (
+    TINYGEMM_GROUP_SIZES,
+    TINYGEMM_INNER_K_TILES,
+    TinygemmInt4Weight,
+    pack_tinygemm_int4,
+    padded_out_features,
+    unpack_tinygemm_int4,
+)
 
 _SUFFIXES = (".tinygemm_qdata", ".tinygemm_scale_and_zero", ".tinygemm_shape")
 

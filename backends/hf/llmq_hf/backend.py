@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import os
 import re
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 

@@ -51,9 +51,9 @@ from llmq.checkpoint.ordered_worker import OrderedWorker
 from llmq.checkpoint.safetensors_io import DTYPE_NAMES
 from llmq.checkpoint.shard_file import ShardLayout, ShardRotation, block_writes, placeholder
 from llmq.checkpoint.side_files import side_files
-from llmq.checkpoint.workfolder import JOURNAL, PARTIAL_SUFFIX, REPLACED_SUFFIX, WorkFolder
+from llmq.checkpoint.workfolder import JOURNAL, PARTIAL_SUFFIX, WorkFolder
+from llmq.quant.formats import Format, format_names, format_of, get_format
 from llmq.quant.row_blocks import QuantizedRowBlocks, RowBlocks, is_row_blocks
-from llmq.quant.formats import Format, format_of, format_names, get_format
 
 Value = Any  # a torch.Tensor or a quantized weight of any registered format (llmq.quant.formats)
 

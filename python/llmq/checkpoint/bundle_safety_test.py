@@ -12,9 +12,16 @@ import time
 import pytest
 import torch
 
-from llmq.checkpoint import BundleWriter, CheckpointError, OutputWriteError, load_bundle, read_manifest, save_bundle
-from llmq.checkpoint import bundle as bundle_module
-from llmq.checkpoint import workfolder
+from llmq.checkpoint import (
+    BundleWriter,
+    CheckpointError,
+    OutputWriteError,
+    bundle as bundle_module,
+    load_bundle,
+    read_manifest,
+    save_bundle,
+    workfolder,
+)
 from llmq.quant.formats import GroupQuantizedWeight, pack_bits
 
 HERE = os.path.dirname(os.path.abspath(__file__))

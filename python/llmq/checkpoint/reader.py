@@ -25,8 +25,8 @@ from llmq.checkpoint.errors import (
 )
 from llmq.checkpoint.tensor_sources import Source, open_source
 from llmq.quant import _native
-from llmq.quant.row_blocks import RowBlocks
 from llmq.quant.formats import GroupQuantizedWeight
+from llmq.quant.row_blocks import RowBlocks
 
 Value = Union[torch.Tensor, GroupQuantizedWeight, RowBlocks]
 KeyMap = Union[Mapping[str, Optional[str]], Callable[[str], Optional[str]], None]

@@ -32,12 +32,12 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from llmq.checkpoint.shapes import dims_problem
 from llmq.checkpoint.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     UnsupportedCheckpointError,
 )
+from llmq.checkpoint.shapes import dims_problem
 
 # Same cap as the reference implementation: a header larger than this is refused
 # before it is read, so a hostile length cannot make us allocate gigabytes.

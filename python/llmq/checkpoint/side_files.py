@@ -48,7 +48,7 @@ def side_file(folder: os.PathLike, name: str) -> Optional[str]:
     path = os.path.join(folder, name)
     if not os.path.lexists(path):
         return None
-    root = allowed_root(folder)
+    root = allowed_root(os.fspath(folder))
     real = os.path.realpath(path)
     if os.path.commonpath([root, real]) != root:
         raise UnsupportedCheckpointError(f"is a link to {real}, outside the checkpoint folder; side files must be "

@@ -5,7 +5,14 @@ import os
 
 import pytest
 
-from llmq.checkpoint import SOURCE_FILES, TOKENIZER_FILES, UnsupportedCheckpointError, side_file, side_files, source_files
+from llmq.checkpoint import (
+    SOURCE_FILES,
+    TOKENIZER_FILES,
+    UnsupportedCheckpointError,
+    side_file,
+    side_files,
+    source_files,
+)
 
 
 @pytest.fixture

@@ -6,7 +6,6 @@ import signal
 from llmq.quant import QuantConfig, format_names, get_format
 
 
-
 def format_configs():
     """label -> config: every stored form the library quantizes to (each registered quantizable
     format's `example_configs`), for the tests that write each to a bundle or an HF folder. Labels are

@@ -175,6 +175,7 @@ class WorkFolder:
                     f"exists without an llmq journal (holds {sorted(names)[0]!r}{' ...' if len(names) > 1 else ''}), "
                     "so it is not an interrupted llmq run; move it away or delete it", path=self.path)
             return
+        assert journal is not None  # _is_journal(None) is False
         kind = journal.get("writer", "bundle")
         if kind == self.writer:
             self.journal = journal

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
 
@@ -41,8 +41,8 @@ class ShardWriter:
         self._record = record
         self._open: Optional[StreamingShardFile] = None
         self._shards: List[Dict[str, Any]] = []  # per shard: {"tensors": {name: nbytes}, "bytes": file size}
-        self._seen = set()
-        self._done = set()  # names in shards completed by an earlier, interrupted run
+        self._seen: Set[str] = set()
+        self._done: Set[str] = set()  # names in shards completed by an earlier, interrupted run
         self.total_bytes = 0
         self.skipped = 0
 

@@ -29,6 +29,7 @@ import torch
 
 from llmq.checkpoint.errors import ResumeMismatchError
 from llmq.checkpoint.fileio import copy_file, write_file_atomic
+from llmq.checkpoint.shard_file import placeholder
 from llmq.checkpoint.workfolder import WorkFolder
 from llmq.export.quant_config import build_hf_quantization_config, build_modelopt_hf_quant_config
 from llmq.export.shards import ShardWriter

@@ -25,9 +25,9 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from llmq.quant.storage import CANONICAL, Storage
 from llmq.quant.quantize import dequantize, quantize_weight, takes_importance
 from llmq.quant.recipe import QuantConfig, QuantRecipe, QuantRule
+from llmq.quant.storage import CANONICAL, Storage
 
 # Integer group-wise options every backend takes (MLX: bits 3..8, groups 32..128).
 DEFAULT_OPTIONS: Tuple[QuantConfig, ...] = (

@@ -8,8 +8,7 @@ import math
 import pytest
 import torch
 
-from llmq.quant import QuantConfig, dequantize, quantize_weight
-from llmq.quant import codecs as fp
+from llmq.quant import QuantConfig, codecs as fp, dequantize, quantize_weight
 from llmq.quant.formats.fp8 import FP8Weight, quantize_fp8
 from llmq.quant.formats.mx import MXWeight, quantize_mx
 from llmq.quant.formats.nvfp4 import NVFP4Weight, quantize_nvfp4

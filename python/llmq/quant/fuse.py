@@ -17,6 +17,8 @@ def fuse_along_output(weights: Sequence[Any]) -> Any:
     if not weights:
         raise ValueError("fuse_along_output needs at least one weight")
     fmt = format_of(weights[0])
+    if fmt is None:
+        raise ValueError(f"fuse_along_output: item 0 is a {type(weights[0]).__name__}, expected a quantized weight")
     for i, w in enumerate(weights):
         if format_of(w) is not fmt or fmt is None:
             raise ValueError(f"fuse_along_output: item {i} is a {type(w).__name__}, expected "

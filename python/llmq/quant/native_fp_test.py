@@ -14,9 +14,7 @@ import torch
 
 from llmq.quant import _native, _native_fp
 from llmq.quant.codecs import E2M1_VALUES
-from llmq.quant.formats import fp8 as fp8_fmt
-from llmq.quant.formats import mx as mx_fmt
-from llmq.quant.formats import nvfp4 as nvfp4_fmt
+from llmq.quant.formats import fp8 as fp8_fmt, mx as mx_fmt, nvfp4 as nvfp4_fmt
 
 _ORDER = ("scalar", "avx2", "avx512")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)

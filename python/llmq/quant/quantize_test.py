@@ -17,8 +17,7 @@ from torchao.quantization.quant_primitives import (
 )
 
 from llmq.quant import GroupQuantizedWeight, QuantConfig, dequantize, quantize_weight
-from llmq.quant.formats import int_affine
-from llmq.quant.formats import unpack_bits
+from llmq.quant.formats import int_affine, unpack_bits
 
 
 def bits_of(t):

@@ -108,7 +108,8 @@ class RowBlocks:
         caller that quantizes this tensor right after its amax (a per-tensor scale's second
         pass), at the cost of that many blocks held in between. They are known finite, as a
         checked read would find. The next `blocks()` call releases them."""
-        amax, kept = None, []
+        amax: Optional[torch.Tensor] = None
+        kept: List[Tuple[int, torch.Tensor]] = []
         self._kept = {}
         for r0, block in self.blocks(check=False):
             m = _native_fp.abs_max(block, False)
@@ -121,7 +122,7 @@ class RowBlocks:
                 del kept[:-keep_blocks]
             del block
         self._kept = {(r0, r0 + b.shape[0]): b for r0, b in kept}
-        return amax
+        return amax if amax is not None else torch.zeros((), dtype=torch.float32)  # no rows: 0
 
     def take_kept(self, bounds: List[Tuple[int, int]]) -> Dict[Tuple[int, int], torch.Tensor]:
         """The blocks abs_max(keep_blocks=) kept whose (first row, end row) are among `bounds`,
@@ -135,7 +136,7 @@ class RowBlocks:
             m = _block_abs_max(block)
             amax = m if amax is None else torch.maximum(amax, m)
             del block
-        return amax
+        return amax if amax is not None else torch.zeros((), dtype=torch.float32)
 
     def whole(self) -> torch.Tensor:
         """All rows in one tensor (validated as the reader validates a whole tensor)."""

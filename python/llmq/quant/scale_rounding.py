@@ -69,6 +69,8 @@ def best_rounded(g: torch.Tensor, candidates: Iterable[Tuple[torch.Tensor, torch
         best[1] = torch.where(better.unsqueeze(-1), q, best[1])
         best[2] = torch.where(better, s, best[2])
         best[3] = torch.where(better, b, best[3])
+    if best is None:
+        raise ValueError(f"{name}: no candidate scales to choose from")
     return best[1].to(torch.uint8), best[2], best[3]
 
 

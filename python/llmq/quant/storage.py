@@ -59,7 +59,10 @@ class Storage:
                 raise ValueError("this storage writes the canonical container: its bits need the quantized value")
             from llmq.quant.formats import format_of
 
-            stored = format_of(value).stored(value)
+            fmt = format_of(value)
+            if fmt is None:
+                raise ValueError(f"{type(value).__name__} is not a quantized weight of a registered format")
+            stored = fmt.stored(value)
             return {role: (t.dtype, tuple(t.shape)) for role, t in stored.items()}
         return self.tensors(self.written_scale_dtype(value), tuple(shape))
 

@@ -7,12 +7,12 @@ from typing import Callable, Iterable, Iterator, Optional, Tuple, Union
 
 import torch
 
-from llmq.quant.row_blocks import RowBlocks, quantize_row_blocks
 from llmq.quant.formats import GroupQuantizedWeight
 from llmq.quant.importance import Calibration
 from llmq.quant.quantize import quantize_weight, takes_importance
 from llmq.quant.recipe import QuantRecipe
 from llmq.quant.report import ErrorReport
+from llmq.quant.row_blocks import RowBlocks, quantize_row_blocks
 
 StreamItem = Tuple[str, Union[torch.Tensor, GroupQuantizedWeight]]
 

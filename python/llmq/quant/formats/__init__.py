@@ -12,6 +12,7 @@ GroupQuantizedWeight, pack_bits, ...``). The codecs the families share (bit pack
 scale rounding, input checks) are llmq.quant.codecs.
 """
 
+from llmq.quant.codecs import SUPPORTED_BITS, pack_bits, packed_row_bytes, unpack_bits
 from llmq.quant.formats.base import (
     Format,
     first_of_alike,
@@ -23,7 +24,8 @@ from llmq.quant.formats.base import (
     register_format,
     unregister_format,
 )
-from llmq.quant.codecs import SUPPORTED_BITS, pack_bits, packed_row_bytes, unpack_bits
+from llmq.quant.formats.fp8 import FP8Format
+from llmq.quant.formats.gguf_blocks import GGUFBlockFormat
 from llmq.quant.formats.int_affine import (
     DEQUANT_BLOCK_ELEMENTS,
     GroupQuantizedWeight,

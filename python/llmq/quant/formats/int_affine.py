@@ -72,7 +72,6 @@ from llmq.quant.codecs import (
     qparams_asymmetric,
     qparams_symmetric,
     raise_not_finite,
-    round_scale_mantissa,
     row_ranges,
     unpack_bits,
 )
@@ -226,7 +225,9 @@ def _quantize_rows(x: torch.Tensor, bits: int, gs: int, symmetric: bool, method:
             q = torch.mul(g, (1.0 / scale).unsqueeze(-1)).add_(zero.unsqueeze(-1)).round_().clamp_(0, (1 << bits) - 1)
             return pack_bits(q.reshape(rows, k).to(torch.uint8), bits), scale, 0.0 - zero * scale
         if method == "search":
-            scale, zero = search.search_qparams(g, xmin, xmax, bits, False, _group_importance(importance, k, gs))
+            found_scale, found_zero = search.search_qparams(g, xmin, xmax, bits, False, _group_importance(importance, k, gs))
+            assert found_zero is not None  # an asymmetric search returns its zero
+            scale, zero = found_scale, found_zero
         q = torch.mul(g, (1.0 / scale).unsqueeze(-1)).round_().add_(zero.unsqueeze(-1)).clamp_(0, (1 << bits) - 1)
         bias = 0.0 - zero * scale  # exact; +0.0 (not -0.0) when zero == 0
     q = q.reshape(rows, k).to(torch.uint8)
@@ -293,6 +294,7 @@ def quantize_rows_torch(w: torch.Tensor, bits: int, gs: int, symmetric: bool, me
         parts = None
     if parts is None:  # raised outside the except block, so the traceback stays clean
         raise_not_finite(w, name)
+    assert parts is not None
     return tuple(torch.cat([p[j] for p in parts]) if len(parts) > 1 else parts[0][j] for j in range(3))
 
 

@@ -32,8 +32,8 @@ from llmq.quant.codecs import (
     row_ranges,
     unpack_fp4,
 )
-from llmq.quant.formats.base import Format, Layout, RowQuantizer
 from llmq.quant.formats._fixed import check_fixed
+from llmq.quant.formats.base import Format, Layout, RowQuantizer
 from llmq.quant.formats.hf_export import HFExport, ct_weights, modelopt_raw_codes_warning
 
 BLOCK = 32
@@ -76,7 +76,8 @@ class MXWeight:
         lead, k = tuple(self.shape[:-1]), self.shape[-1]
         row = k * ELEMENTS[self.fmt].bits // 8
         if k % BLOCK or self.codes.dtype != torch.uint8 or tuple(self.codes.shape) != lead + (row,):
-            raise ValueError(f"MXWeight.codes must be uint8 {list(lead + (row,))} for shape {list(self.shape)}, got {self.codes.dtype} {list(self.codes.shape)}")
+            raise ValueError(f"MXWeight.codes must be uint8 {list(lead + (row,))} for shape {list(self.shape)}, "
+                             f"got {self.codes.dtype} {list(self.codes.shape)}")
         if self.scale_e8m0.dtype != torch.uint8 or tuple(self.scale_e8m0.shape) != lead + (k // BLOCK,):
             raise ValueError(f"MXWeight.scale_e8m0 must be uint8 {list(lead + (k // BLOCK,))}, got {self.scale_e8m0.dtype} {list(self.scale_e8m0.shape)}")
 
@@ -105,7 +106,8 @@ def quantize_mx(w: torch.Tensor, fmt: str, *, name: str = "<tensor>") -> MXWeigh
         codes[a:b] = element.encode(scaled)
         scales[a:b] = e8
     lead = tuple(w.shape[:-1])
-    return MXWeight(codes=codes.reshape(lead + (codes.shape[-1],)), scale_e8m0=scales.reshape(lead + (k // BLOCK,)), fmt=fmt, shape=tuple(w.shape), dtype=w.dtype)
+    return MXWeight(codes=codes.reshape(lead + (codes.shape[-1],)), scale_e8m0=scales.reshape(lead + (k // BLOCK,)),
+                   fmt=fmt, shape=tuple(w.shape), dtype=w.dtype)
 
 
 

@@ -52,9 +52,11 @@ class NVFP4Weight:
     def __post_init__(self):
         lead, k = tuple(self.shape[:-1]), self.shape[-1]
         if k % BLOCK or self.codes.dtype != torch.uint8 or tuple(self.codes.shape) != lead + (k // 2,):
-            raise ValueError(f"NVFP4Weight.codes must be uint8 {list(lead + (k // 2,))} for shape {list(self.shape)}, got {self.codes.dtype} {list(self.codes.shape)}")
+            raise ValueError(f"NVFP4Weight.codes must be uint8 {list(lead + (k // 2,))} for shape {list(self.shape)}, "
+                             f"got {self.codes.dtype} {list(self.codes.shape)}")
         if self.block_scale.dtype != torch.float8_e4m3fn or tuple(self.block_scale.shape) != lead + (k // BLOCK,):
-            raise ValueError(f"NVFP4Weight.block_scale must be float8_e4m3fn {list(lead + (k // BLOCK,))}, got {self.block_scale.dtype} {list(self.block_scale.shape)}")
+            raise ValueError(f"NVFP4Weight.block_scale must be float8_e4m3fn {list(lead + (k // BLOCK,))}, "
+                             f"got {self.block_scale.dtype} {list(self.block_scale.shape)}")
         expect = tuple(self.shape[:-2])
         if self.global_scale.dtype != torch.float32 or tuple(self.global_scale.shape) != expect:
             raise ValueError(f"NVFP4Weight.global_scale must be float32 {list(expect)}, got {self.global_scale.dtype} {list(self.global_scale.shape)}")
