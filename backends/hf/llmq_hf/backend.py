@@ -26,7 +26,7 @@ from llmq.quant.storage import Storage
 _PER_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.\d+\.(?P<leaf>gate_proj|up_proj|down_proj)$")
 
 
-def recipe_lookup(job: WriteJob) -> Callable[[str], Any]:
+def config_for_hf_module(job: WriteJob) -> Callable[[str], Any]:
     """HF module fqn -> the recipe's config (or None): per-expert modules as their fused stack."""
     bound = job.recipe.bind(job.num_layers)
 
@@ -142,7 +142,7 @@ class HfExportBackend(Backend):
 
         extra = [f for f in job.source_files if os.path.basename(f) != "config.json"]  # config.json: written here
         written = [0, 0]
-        lookup = recipe_lookup(job)
+        lookup = config_for_hf_module(job)
         summary = write_hf_quantized_checkpoint(
             job.out, _count_written(hf_stream(stream, job), lookup, self.style, written), lookup, style=self.style,
             config=_text_config(job.hf_config), max_shard_bytes=job.max_shard_bytes, extra_files=extra,
