@@ -33,7 +33,7 @@ from llmq.checkpoint import CheckpointError, load_bundle
 from llmq.quant import QuantizedEmbedding, QuantizedLinear
 from llmq.quant.modules import dequantize_graph
 from models.common.cache import ModelCache, StaticKVCache
-from models.pipeline import inputs, quantize_and_save
+from models.pipeline import gguf_input, inputs, quantize_and_save
 from models.pipeline.agreement import format_table
 from models.pipeline.arch import Architecture
 from models.pipeline.quantized_model import _StackedQuantized, build_quantized_model
@@ -319,7 +319,8 @@ def load_quantized_model(arch: Architecture, *, bundle: Optional[str], checkpoin
     if bundle is None:  # a GGUF's own codes (K-quants, 5/6-bit) are requantized by the recipe, which names the format
         result = quantize_and_save.run(arch, checkpoint=checkpoint, recipe=recipe, backend="bundle",
                                        out=os.path.join(workdir, "bundle"), resume=False, max_shard_size=2 << 30,
-                                       verify=False, seed=seed, progress=False, requantize_gguf=True)
+                                       verify=False, seed=seed, progress=False,
+                                       requantize_gguf=gguf_input.is_gguf(checkpoint))
         bundle = result["bundle"]
     elif checkpoint is None:
         raise quantize_and_save.UsageError("--bundle needs --checkpoint (the HF folder or .gguf it was quantized from)")
