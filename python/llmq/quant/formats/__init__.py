@@ -6,6 +6,7 @@ base.py) and a registry by name. docs/formats.md describes the interface and how
     mx.py          "mxfp4", "mxfp8"   OCP microscaling
     nvfp4.py       "nvfp4"            NVIDIA FP4
     gguf_blocks.py GGUF block types   import only: rearranged into "int" exactly
+    gguf_quant.py  "q4_0" .. "q6_k"   quantized under GGUF block constraints (canonical "int" values)
 
 The canonical integer helpers stay importable from here (``from llmq.quant.formats import
 GroupQuantizedWeight, pack_bits, ...``). The codecs the families share (bit packing, E2M1/E8M0,
@@ -35,6 +36,7 @@ from llmq.quant.formats.int_affine import (
 )
 from llmq.quant.formats.mx import MXFormat
 from llmq.quant.formats.nvfp4 import NVFP4Format
+from llmq.quant.formats.gguf_quant import GGUFQuantFormat
 
 # The registrations: one line per family.
 register_format(IntAffineFormat())
@@ -42,6 +44,7 @@ register_format(FP8Format())
 register_format(MXFormat())
 register_format(NVFP4Format())
 register_format(GGUFBlockFormat())
+register_format(GGUFQuantFormat())
 
 __all__ = [
     "Format", "register_format", "unregister_format", "get_format", "format_of", "format_names", "is_quantized", "nbytes_of",

@@ -1,0 +1,348 @@
+"""Format family "gguf-quant": llmq quantizers that produce GGUF (llama.cpp) block types exactly.
+
+A recipe may name q4_0, q4_1, q5_0, q5_1, q8_0 (blocks of 32) and the K-quants q4_k, q5_k (super-blocks
+of 256: eight sub-blocks of 32 with 6-bit scales and mins) and q6_k (sixteen sub-blocks of 16 with int8
+scales). The quantized weight is the ordinary canonical GroupQuantizedWeight ("int": unsigned q, float32
+scale, additive bias; everything downstream reads it unchanged), chosen under the block type's
+constraints so that it *is* a GGUF block bit for bit:
+
+=====  ====  =====  ======================================  =================================
+name   bits  group  scale                                   bias
+=====  ====  =====  ======================================  =================================
+q4_0   4     32     d (float16)                             -8 d
+q4_1   4     32     d (float16)                             m (float16)
+q5_0   5     32     d                                       -16 d
+q5_1   5     32     d                                       m
+q8_0   8     32     d                                       -128 d
+q4_k   4     32     d * sc_j (d float16, sc_j in 0..63)     -dmin * m_j (dmin float16, m_j in 0..63)
+q5_k   5     32     d * sc_j                                -dmin * m_j
+q6_k   6     16     d * sc_j (sc_j int8)                    -32 d sc_j
+=====  ====  =====  ======================================  =================================
+
+The float16 rounding happens inside the quantizer, before the codes are chosen (the codes are
+rounded against the stored scale, not the unrounded one). Method "minmax" (the only one so far):
+q*_0 take llama.cpp's sign trick (d = the group's value of largest magnitude / -2^(b-1), so that
+value is exact), q8_0 d = max|w| / 127, q*_1 d = (max - min) / (2^b - 1) and m = min; K-quants
+take each sub-block's min-max scale and min (min <= 0), then d = max scale / 63, dmin = max |min|
+/ 63 (q6_k: d = the sub-block scale of largest magnitude / -128), then round each sub-block's
+integers against the float16 d / dmin. Rows must be a whole number of blocks (32, or 256 for
+the K-quants): `shape_problem` refuses the others before any work.
+
+`encode_blocks(type, weight)` writes any canonical weight whose values a block type holds as that
+type's bytes (ggml-common.h's layouts, the inverse of llmq.quant.formats.gguf_blocks), and raises
+ValueError where it does not hold them exactly -- so a GGUF import (already exact) can be written
+back too. gguf-py's `gguf.quants.dequantize` of those bytes equals `dequantize_canonical(weight)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, Optional, Tuple
+
+import numpy as np
+import torch
+
+from llmq.quant.formats.base import Format
+from llmq.quant.formats.int_affine import GroupQuantizedWeight, dequantize_canonical, pack_bits, unpack_bits
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockType:
+    ggml: str  # GGML type name (gguf.GGMLQuantizationType member)
+    bits: int
+    group: int  # elements sharing one scale / bias (a sub-block for the K-quants)
+    block: int  # elements per block (32, or 256 for the K-quants' super-blocks)
+    symmetric: bool  # bias = -2^(b-1) * scale
+
+    @property
+    def offset(self) -> int:
+        return 1 << (self.bits - 1)
+
+
+BLOCK_TYPES: Dict[str, BlockType] = {
+    "q4_0": BlockType("Q4_0", 4, 32, 32, True),
+    "q4_1": BlockType("Q4_1", 4, 32, 32, False),
+    "q5_0": BlockType("Q5_0", 5, 32, 32, True),
+    "q5_1": BlockType("Q5_1", 5, 32, 32, False),
+    "q8_0": BlockType("Q8_0", 8, 32, 32, True),
+    "q4_k": BlockType("Q4_K", 4, 32, 256, False),
+    "q5_k": BlockType("Q5_K", 5, 32, 256, False),
+    "q6_k": BlockType("Q6_K", 6, 16, 256, True),
+}
+BY_GGML = {t.ggml: name for name, t in BLOCK_TYPES.items()}
+
+
+def _f16(x: torch.Tensor, name: str) -> torch.Tensor:
+    """x rounded to float16 (nearest), as float32; a value float16 cannot hold is refused."""
+    r = x.to(torch.float16).to(torch.float32)
+    if not bool(torch.isfinite(r).all()):
+        raise ValueError(f"{name}: a block scale overflows float16 (|scale| > 65504): no GGUF block holds it")
+    return r
+
+
+def _codes(x: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, top: int) -> torch.Tensor:
+    """round((x - bias) / scale) clamped to [0, top] per group (x [..., G, g]; scale 0 -> code 0)."""
+    safe = torch.where(scale == 0, torch.ones_like(scale), scale)
+    q = ((x - bias.unsqueeze(-1)) / safe.unsqueeze(-1)).round_().clamp_(0, top)
+    return torch.where((scale == 0).unsqueeze(-1), torch.zeros_like(q), q)
+
+
+def _signed_extreme(g: torch.Tensor) -> torch.Tensor:
+    """The value of largest magnitude of each group (last dim), sign kept (the first one on a tie)."""
+    idx = g.abs().argmax(dim=-1, keepdim=True)
+    return g.gather(-1, idx).squeeze(-1)
+
+
+def quantize_rows(x: torch.Tensor, kind: str, name: str = "<tensor>") -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float32 rows [R, K] (K a multiple of the block) -> (codes uint8 [R, K], scale [R, G], bias [R, G])."""
+    t = BLOCK_TYPES[kind]
+    rows, k = x.shape
+    top = (1 << t.bits) - 1
+    g = x.reshape(rows, k // t.group, t.group)
+    if t.block == 32:
+        if kind == "q8_0":
+            d = _f16(g.abs().amax(-1) / 127.0, name)
+        elif t.symmetric:
+            d = _f16(_signed_extreme(g) / -float(t.offset), name)
+        else:
+            lo, hi = g.amin(-1), g.amax(-1)
+            d = _f16((hi - lo) / float(top), name)
+            m = _f16(lo, name)
+            return _codes(g, d, m, top).reshape(rows, k).to(torch.uint8), d, m
+        bias = d * -float(t.offset)
+        return _codes(g, d, bias, top).reshape(rows, k).to(torch.uint8), d, bias
+    per = t.block // t.group  # sub-blocks per super-block
+    sub = g.reshape(rows, k // t.block, per, t.group)
+    if kind == "q6_k":
+        s = _signed_extreme(sub) / -float(t.offset)  # [R, S, 16] sub-block scales, signed
+        d = _f16(_signed_extreme(s) / -128.0, name)  # [R, S]
+        sc = torch.where(d.unsqueeze(-1) == 0, torch.zeros_like(s),
+                         (s / torch.where(d == 0, torch.ones_like(d), d).unsqueeze(-1)).round().clamp(-128, 127))
+        scale = d.unsqueeze(-1) * sc
+        bias = scale * -float(t.offset)
+    else:
+        lo = sub.amin(-1).clamp(max=0.0)
+        s = (sub.amax(-1) - lo) / float(top)  # [R, S, 8] >= 0
+        d = _f16(s.amax(-1) / 63.0, name)
+        dmin = _f16((-lo).amax(-1) / 63.0, name)
+        sc = _int_ratio(s, d, 63)
+        mn = _int_ratio(-lo, dmin, 63)
+        scale = d.unsqueeze(-1) * sc
+        bias = 0.0 - dmin.unsqueeze(-1) * mn
+    q = _codes(sub, scale, bias, top)
+    return (q.reshape(rows, k).to(torch.uint8), scale.reshape(rows, -1).contiguous(),
+            bias.reshape(rows, -1).contiguous())
+
+
+def _int_ratio(v: torch.Tensor, d: torch.Tensor, top: int) -> torch.Tensor:
+    """round(v / d) clamped to [0, top], 0 where d == 0 (v [..., S, n], d [..., S])."""
+    safe = torch.where(d == 0, torch.ones_like(d), d).unsqueeze(-1)
+    r = (v / safe).round().clamp(0, top)
+    return torch.where(d.unsqueeze(-1) == 0, torch.zeros_like(r), r)
+
+
+def quantize(w: torch.Tensor, kind: str, *, name: str = "<tensor>") -> GroupQuantizedWeight:
+    """A 1-D, 2-D or 3-D float weight -> the canonical weight of block type `kind` (minmax, see module doc)."""
+    t = BLOCK_TYPES[kind]
+    if w.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"{name}: expected a float32/bfloat16/float16 weight, got dtype {w.dtype}")
+    if not 1 <= w.dim() <= 3 or w.numel() == 0:
+        raise ValueError(f"{name}: expected a non-empty 1-D, 2-D or 3-D weight, got shape {list(w.shape)}")
+    k = w.shape[-1]
+    if k % t.block:
+        raise ValueError(f"{name}: {kind} needs rows of a multiple of {t.block} elements, got K={k}")
+    x = w.detach().reshape(-1, k).to(device="cpu", dtype=torch.float32)
+    if not bool(torch.isfinite(x).all()):
+        raise ValueError(f"{name}: weight has NaN/Inf values")
+    step = max(1, (1 << 22) // k)
+    parts = [quantize_rows(x[i:i + step], kind, name) for i in range(0, x.shape[0], step)]
+    q, scale, bias = (torch.cat([p[j] for p in parts]) for j in range(3))
+    lead = tuple(w.shape[:-1]) if w.dim() >= 2 else (1,)
+    return GroupQuantizedWeight(qdata=pack_bits(q, t.bits).reshape(*lead, -1).contiguous(),
+                                scale=scale.reshape(*lead, -1).contiguous(), bias=bias.reshape(*lead, -1).contiguous(),
+                                bits=t.bits, group_size=t.group, shape=tuple(w.shape), dtype=w.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Canonical weight -> GGUF block bytes (exact, or ValueError)
+# --------------------------------------------------------------------------------------------
+
+
+def _half_bytes(v: np.ndarray) -> np.ndarray:
+    """float32 values float16 holds exactly [n] -> their little-endian float16 bytes [n, 2]."""
+    return v.astype("<f2").view(np.uint8).reshape(-1, 2)
+
+
+def _is_f16(v: torch.Tensor) -> bool:
+    return bool((v.to(torch.float16).to(torch.float32) == v).all()) and bool(torch.isfinite(v).all())
+
+
+def _factor(v: torch.Tensor, lo: int, hi: int) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    """v [N, n] float32 -> (d [N] float16-exact, c [N, n] integers in [lo, hi]) with d * c == v exactly,
+    or None where some row has no such factorisation. Tries each integer for the entry of largest
+    magnitude (c = v_max / d), most negative first, then largest."""
+    n_rows = v.shape[0]
+    d_out = torch.zeros(n_rows, dtype=torch.float32)
+    c_out = torch.zeros_like(v)
+    vmax = _signed_extreme(v)
+    todo = vmax != 0
+    for c in list(range(lo, 0)) + list(range(hi, 0, -1)):  # ggml's own choice first (-128 for Q6_K, 63 else)
+        if not bool(todo.any()):
+            break
+        idx = todo.nonzero().squeeze(-1)
+        d = vmax[idx] / float(c)
+        ci = v[idx] / d.unsqueeze(-1)
+        cr = ci.round()
+        ok = ((d.to(torch.float16).to(torch.float32) == d) & (d * float(c) == vmax[idx])
+              & (cr >= lo).all(-1) & (cr <= hi).all(-1) & (d.unsqueeze(-1) * cr == v[idx]).all(-1))
+        good = idx[ok]
+        d_out[good], c_out[good] = d[ok], cr[ok]
+        todo[good] = False
+    return None if bool(todo.any()) else (d_out, c_out)
+
+
+def _k_scales_bytes(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
+    """Eight 6-bit scales and mins per super-block [N, 8] -> ggml's packed 12 bytes [N, 12]."""
+    out = np.empty((sc.shape[0], 12), np.uint8)
+    out[:, 0:4] = (sc[:, 0:4] & 0x3F) | ((sc[:, 4:8] >> 4) << 6)
+    out[:, 4:8] = (mn[:, 0:4] & 0x3F) | ((mn[:, 4:8] >> 4) << 6)
+    out[:, 8:12] = (sc[:, 4:8] & 0x0F) | ((mn[:, 4:8] & 0x0F) << 4)
+    return out
+
+
+def _nibbles(q: np.ndarray, chunk: int) -> np.ndarray:
+    """Codes [N, n] (low 4 bits used) -> bytes [N, n/2]: per chunk of `chunk` elements, byte j holds element
+    j (low nibble) and j + chunk/2 (high nibble)."""
+    n_rows, n = q.shape
+    c = (q & 0x0F).reshape(n_rows, n // chunk, 2, chunk // 2)
+    return (c[:, :, 0, :] | (c[:, :, 1, :] << 4)).reshape(n_rows, n // 2).astype(np.uint8)
+
+
+def _bit_planes(bits: np.ndarray) -> np.ndarray:
+    """bits [N, 32 * m] (0/1) -> bytes [N, 32]: bit i of byte j is bits[32 i + j] (m <= 8 planes)."""
+    n_rows, n = bits.shape
+    planes = bits.reshape(n_rows, n // 32, 32).astype(np.uint8)
+    return sum((planes[:, i, :] << i) for i in range(n // 32)).astype(np.uint8)
+
+
+class NotExact(ValueError):
+    """The weight's values are not those of the block type asked for."""
+
+
+def encode_blocks(kind: str, w: GroupQuantizedWeight, *, name: str = "<tensor>") -> np.ndarray:
+    """The GGUF blocks of `w` as block type `kind` (a name of BLOCK_TYPES): uint8 [..., N, K / block *
+    bytes per block]. NotExact (a ValueError, one line) where the type cannot hold w's values exactly."""
+    t = BLOCK_TYPES[kind]
+    k = w.shape[-1]
+    if w.bits != t.bits or w.group_size != t.group or k % t.block:
+        raise NotExact(f"{name}: {w.bits}-bit groups of {w.group_size} along K={k} are not {t.ggml} blocks "
+                       f"({t.bits}-bit groups of {t.group}, rows a multiple of {t.block})")
+    lead = tuple(w.shape[:-1]) if len(w.shape) >= 2 else (1,)
+    rows = int(np.prod(lead))
+    q = unpack_bits(w.qdata.reshape(rows, -1), t.bits, k).numpy().reshape(-1, t.block)  # [B, block]
+    scale = w.scale.reshape(-1, t.block // t.group)  # [B, groups per block]
+    bias = w.bias.reshape(-1, t.block // t.group)
+    n_blocks = q.shape[0]
+
+    def refuse(why: str):
+        raise NotExact(f"{name}: not exactly {t.ggml}: {why}")
+
+    if t.block == 32:
+        d = scale[:, 0]
+        if not _is_f16(d):
+            refuse("a scale is not a float16 value")
+        if t.symmetric and not torch.equal(bias[:, 0], d * -float(t.offset)):
+            refuse(f"a bias is not -{t.offset} * scale")
+        parts = [_half_bytes(d.numpy())]
+        if not t.symmetric:
+            if not _is_f16(bias[:, 0]):
+                refuse("a bias is not a float16 value")
+            parts.append(_half_bytes(bias[:, 0].numpy()))
+        if t.bits == 8:
+            parts.append((q.astype(np.int16) - 128).astype(np.int8).view(np.uint8))
+        else:
+            if t.bits == 5:
+                parts.append(_u32_bits(q >> 4))  # qh: bit j of a little-endian uint32 = element j's 5th bit
+            parts.append(_nibbles(q, 32))
+        return np.concatenate(parts, axis=1).reshape(*lead, -1)
+
+    if kind == "q6_k":
+        if not torch.equal(bias, scale * -32.0):
+            refuse("a bias is not -32 * scale")
+        f = _factor(scale, -128, 127)
+        if f is None:
+            refuse("the sub-block scales are not one float16 d times int8 scales")
+        d, sc = f
+        ql = _nibbles(q, 128)  # per half of 128: low nibbles 0..63, high 64..127
+        hi2 = (q >> 4).reshape(n_blocks, 2, 4, 32)  # per half: 2-bit field at shift 2s -> element 32 s + j
+        qh = sum((hi2[:, :, s, :] << (2 * s)) for s in range(4)).astype(np.uint8).reshape(n_blocks, 64)
+        return np.concatenate([ql, qh, sc.numpy().astype(np.int8).view(np.uint8), _half_bytes(d.numpy())],
+                              axis=1).reshape(*lead, -1)
+
+    fs = _factor(scale, 0, 63)
+    fm = _factor(0.0 - bias, 0, 63)
+    if fs is None:
+        refuse("the sub-block scales are not one float16 d times 6-bit integers")
+    if fm is None:
+        refuse("the sub-block biases are not one float16 -dmin times 6-bit integers")
+    (d, sc), (dmin, mn) = fs, fm
+    parts = [_half_bytes(d.numpy()), _half_bytes(dmin.numpy()),
+             _k_scales_bytes(sc.numpy().astype(np.uint8), mn.numpy().astype(np.uint8))]
+    if kind == "q5_k":
+        parts.append(_bit_planes(q >> 4))  # bit i of byte j: the 5th bit of element 32 i + j
+    parts.append(_nibbles(q, 64))  # 4 chunks of 64: low nibbles 0..31, high 32..63
+    return np.concatenate(parts, axis=1).reshape(*lead, -1)
+
+
+def _u32_bits(bits: np.ndarray) -> np.ndarray:
+    """bits [N, 32] (0/1) -> little-endian uint32 bytes [N, 4] with bit j = bits[j]."""
+    word = (bits.astype(np.uint32) << np.arange(32, dtype=np.uint32)).sum(axis=1, dtype=np.uint32)
+    return word.astype("<u4").view(np.uint8).reshape(-1, 4)
+
+
+class GGUFQuantFormat(Format):
+    """Recipe formats q4_0 .. q6_k (see the module docstring); values are canonical GroupQuantizedWeights
+    (the "int" family stores, dequantizes and packs them), so this family has no container of its own."""
+
+    family = "gguf-quant"
+    names = tuple(BLOCK_TYPES)
+    has_quantized_module = True
+    methods = ("minmax",)
+
+    def validate_config(self, config: Any) -> None:
+        t = BLOCK_TYPES[config.format]
+        if (config.bits, config.group_size, config.symmetric) != (t.bits, t.group, t.symmetric):
+            raise ValueError(f"format {config.format!r} ({t.ggml}) is bits={t.bits}, group_size={t.group}, "
+                             f"symmetric={t.symmetric}; got bits={config.bits}, group_size={config.group_size}, "
+                             f"symmetric={config.symmetric}")
+        if config.scale_dtype != torch.float32:
+            raise ValueError(f"QuantConfig.scale_dtype for {config.format!r}: the scales are float16 inside the "
+                             "canonical float32; leave scale_dtype at float32")
+
+    def shape_problem(self, config: Any, shape: Tuple[int, ...]) -> Optional[str]:
+        t = BLOCK_TYPES[config.format]
+        k = shape[-1]
+        return None if k % t.block == 0 else (f"{config.format} ({t.ggml}) needs rows of a multiple of {t.block} "
+                                              f"elements, got K={k}")
+
+    def quantize(self, w: torch.Tensor, config: Any, *, name: str = "<tensor>") -> GroupQuantizedWeight:
+        return quantize(w, config.format, name=name)
+
+    def dequantize(self, value: GroupQuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize_canonical(value, dtype)
+
+    def stored(self, value):
+        raise NotImplementedError("a gguf-quant weight is a canonical 'int' weight: it is stored as 'int'")
+
+    def rebuild(self, name, params, shape, dtype, stored):
+        raise NotImplementedError("a gguf-quant weight is stored and rebuilt as 'int'")
+
+    def layout(self, name, params, shape):
+        raise NotImplementedError("a gguf-quant weight is stored as 'int'")
+
+    def packed_bits(self, value: GroupQuantizedWeight, config: Any) -> int:
+        """Exactly the GGUF blocks' bits (gguf.GGML_QUANT_SIZES): scales and mins included."""
+        import gguf
+
+        block, nbytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[BLOCK_TYPES[config.format].ggml]]
+        return int(np.prod(value.shape)) // block * nbytes * 8

@@ -1,0 +1,104 @@
+"""The gguf-quant formats (q4_0 .. q6_k) against gguf-py, the independent reference.
+
+Every quantized weight, written as GGUF blocks by encode_blocks, dequantizes with gguf-py's own
+`gguf.quants.dequantize` to exactly llmq's `dequantize_canonical` values, and llmq's GGUF import
+(gguf_blocks.decode) reads those blocks back to the same codes, scales and biases. Blocks written by
+gguf-py's quantizer (Q4_0 .. Q8_0) are re-encoded byte for byte after llmq imports them.
+"""
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from llmq.quant import QuantConfig, quantize_weight
+from llmq.quant.formats import dequantize_canonical
+from llmq.quant.formats import gguf_quant as gq
+from llmq.quant.formats.gguf_blocks import decode
+
+T = gguf.GGMLQuantizationType
+KINDS = list(gq.BLOCK_TYPES)
+
+
+def weight(shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(*shape, generator=g) * 0.05
+    w.view(-1, shape[-1])[0, :256] = 0.0  # an all-zero super-block
+    w.view(-1, shape[-1])[1, :32] = 3.0  # a constant, outlying group
+    w.view(-1, shape[-1])[2, 5] = -1.5  # a negative extreme
+    return w
+
+
+def config(kind):
+    t = gq.BLOCK_TYPES[kind]
+    return QuantConfig(format=kind, bits=t.bits, group_size=t.group, symmetric=t.symmetric)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_blocks_dequantize_like_gguf_py(kind, dtype):
+    t = gq.BLOCK_TYPES[kind]
+    w = weight((3, 8, 512)).to(dtype)
+    v = quantize_weight(w, config(kind), name="w")
+    blocks = gq.encode_blocks(kind, v, name="w")
+    block, nbytes = gguf.GGML_QUANT_SIZES[T[t.ggml]]
+    assert blocks.shape == (3, 8, 512 // block * nbytes)
+    ref = gguf.quants.dequantize(blocks, T[t.ggml])
+    ours = dequantize_canonical(v).numpy()
+    assert np.array_equal(ref, ours)
+    back = decode(t.ggml, torch.from_numpy(np.ascontiguousarray(blocks)), (3, 8, 512), native=False)
+    assert torch.equal(back.qdata, v.qdata) and torch.equal(back.scale, v.scale) and torch.equal(back.bias, v.bias)
+    # the scales are the block type's: float16 d (K-quants: d times small integers)
+    assert torch.equal(v.scale.abs().amax(), v.scale.abs().amax().half().float()) or kind.endswith("_k")
+    rel = float(((dequantize_canonical(v) - w.float()) ** 2).mean() / (w.float() ** 2).mean())
+    assert rel < {4: 2e-2, 5: 5e-3, 6: 2e-3, 8: 1e-4}[t.bits]
+
+
+@pytest.mark.parametrize("ggml", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
+def test_gguf_py_blocks_reencode_byte_for_byte(ggml):
+    w = weight((16, 256)).numpy()
+    blocks = gguf.quants.quantize(w, T[ggml])
+    imported = decode(ggml, torch.from_numpy(blocks.copy()), (16, 256), native=False)
+    assert np.array_equal(gq.encode_blocks(gq.BY_GGML[ggml], imported, name="w"), blocks)
+
+
+def test_k_quant_import_reencodes_to_same_values():
+    """Random K-quant blocks (every code and sub-scale pattern) imported by llmq encode back to blocks of the
+    same values (a factorisation of the sub-block scales may differ, the products do not)."""
+    rng = np.random.default_rng(1)
+    for ggml, (nbytes, half_at) in {"Q4_K": (144, [0, 2]), "Q5_K": (176, [0, 2]), "Q6_K": (210, [208])}.items():
+        raw = rng.integers(0, 256, size=(32, nbytes), dtype=np.uint8)
+        for off in half_at:
+            raw[:, off:off + 2] = (np.exp2(rng.uniform(-14, 2, 32)) * rng.choice([-1, 1], 32)).astype(
+                "<f2").view(np.uint8).reshape(32, 2)
+        if ggml != "Q6_K":
+            raw[:, 0:4] = np.abs(raw[:, 0:4].copy().view("<f2")).view(np.uint8)  # d, dmin >= 0 as ggml writes them
+        imported = decode(ggml, torch.from_numpy(raw.copy()), (4, 8 * 256), native=False)
+        again = gq.encode_blocks(gq.BY_GGML[ggml], imported, name="w")
+        assert np.array_equal(gguf.quants.dequantize(again, T[ggml]), gguf.quants.dequantize(raw, T[ggml]).reshape(
+            4, -1)), ggml
+
+
+def test_not_exact_is_refused_in_one_line():
+    v = quantize_weight(weight((4, 256)), QuantConfig(bits=4, group_size=32, symmetric=True), name="m.w")  # float32 d
+    with pytest.raises(gq.NotExact, match=r"^m\.w: not exactly Q4_0: a scale is not a float16 value$"):
+        gq.encode_blocks("q4_0", v, name="m.w")
+    with pytest.raises(gq.NotExact, match="are not Q6_K blocks"):
+        gq.encode_blocks("q6_k", v, name="m.w")
+
+
+def test_config_and_shape_checks():
+    with pytest.raises(ValueError, match=r"'q4_k' \(Q4_K\) is bits=4, group_size=32, symmetric=False"):
+        QuantConfig(format="q4_k", bits=4, group_size=32, symmetric=True)
+    fmt = gq.GGUFQuantFormat()
+    assert fmt.shape_problem(config("q4_k"), (8, 640)) == "q4_k (Q4_K) needs rows of a multiple of 256 elements, got K=640"
+    assert fmt.shape_problem(config("q4_0"), (8, 640)) is None
+    with pytest.raises(ValueError, match="K=640"):
+        quantize_weight(torch.zeros(2, 640), config("q6_k"), name="w")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_packed_bits_are_the_blocks(kind):
+    t = gq.BLOCK_TYPES[kind]
+    v = quantize_weight(weight((4, 512)), config(kind))
+    assert gq.GGUFQuantFormat().packed_bits(v, config(kind)) == gq.encode_blocks(kind, v).nbytes * 8
