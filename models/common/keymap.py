@@ -72,6 +72,22 @@ def block_template(gguf_name: str) -> Tuple[Optional[int], str]:
     return (int(m.group(1)), f"blk.{{L}}.{m.group(2)}") if m else (None, gguf_name)
 
 
+_HF_LAYER = re.compile(r"\.layers\.(\d+)\.")
+
+
+def hf_to_gguf_name(gguf_to_hf: Mapping[str, str]) -> Callable[[str], Optional[str]]:
+    """The inverse of a ``gguf_to_hf_table``: HF name -> GGUF name (None: the table has no GGUF name for it)."""
+    inverse = {hf: gg for gg, hf in gguf_to_hf.items()}
+
+    def name(hf_name: str) -> Optional[str]:
+        m = _HF_LAYER.search(hf_name)
+        template = _HF_LAYER.sub(".layers.{L}.", hf_name, count=1) if m else hf_name
+        gguf_template = inverse.get(template)
+        return None if gguf_template is None else gguf_template.format(L=int(m.group(1)) if m else 0)
+
+    return name
+
+
 class TableConverter:
     """``convert(gguf_name, value) -> [(model_name, value)]``, one GGUF tensor at a time, by a name table.
 
@@ -99,6 +115,18 @@ class TableConverter:
 
     def undo(self, hf_name: str, gguf_name: str, value):
         """The HF value of tensor ``hf_name`` stored as ``gguf_name`` (default: as stored)."""
+        return value
+
+    def to_gguf(self, hf_name: str, value):
+        """The other way, for writing a GGUF: ``[(gguf_name, value)]`` of one HF tensor, by the same table and
+        ``redo`` (llama.cpp's value transforms, the inverse of ``undo``); ValueError for an unmapped name."""
+        gguf_name = hf_to_gguf_name(self.GGUF_TO_HF)(hf_name)
+        if gguf_name is None:
+            raise ValueError(f"tensor {hf_name!r} has no {self.GGUF_ARCH} GGUF name ({self.UNMAPPED})")
+        return [(gguf_name, self.redo(hf_name, gguf_name, value))]
+
+    def redo(self, hf_name: str, gguf_name: str, value):
+        """The value llama.cpp stores for HF tensor ``hf_name`` (default: as is)."""
         return value
 
     def close(self) -> None:

@@ -86,12 +86,64 @@ def hf_config_from_gguf(metadata: Dict[str, Any], tensors: GGUFTensors) -> Dict[
     return config
 
 
+def gguf_metadata(hf_config: Dict[str, Any]) -> Dict[str, Any]:
+    """The ``gemma3.*`` GGUF keys of an HF ``gemma3_text`` config, as llama.cpp's converter writes them (the
+    inverse of hf_config_from_gguf); ValueError for what llama.cpp's Gemma 3 cannot express."""
+    c = dict(hf_config.get("text_config") or hf_config)
+    layers = int(c["num_hidden_layers"])
+    heads = int(c["num_attention_heads"])
+    head_dim = int(c.get("head_dim") or c["hidden_size"] // heads)
+    expected_scalar = c["hidden_size"] // heads if layers == LAYERS_27B else head_dim
+    if int(c.get("query_pre_attn_scalar", expected_scalar)) != expected_scalar:
+        raise ValueError(f"query_pre_attn_scalar {c.get('query_pre_attn_scalar')} is not llama.cpp's fixed Gemma 3 "
+                         f"choice ({expected_scalar})")
+    if c.get("attn_logit_softcapping") is not None:
+        raise ValueError("attn_logit_softcapping is set; llama.cpp's Gemma 3 has none")
+    rope = c.get("rope_parameters") or {}
+    full = rope.get("full_attention", {"rope_theta": c.get("rope_theta", 1_000_000.0)})
+    swa = rope.get("sliding_attention", {"rope_theta": c.get("rope_local_base_freq", 10_000.0)})
+    keys: Dict[str, Any] = {
+        "context_length": int(c.get("max_position_embeddings", 131072)),
+        "embedding_length": int(c["hidden_size"]),
+        "block_count": layers,
+        "feed_forward_length": int(c["intermediate_size"]),
+        "attention.head_count": heads,
+        "attention.head_count_kv": int(c["num_key_value_heads"]),
+        "attention.key_length": head_dim,
+        "attention.value_length": head_dim,
+        "attention.layer_norm_rms_epsilon": float(c["rms_norm_eps"]),
+        "attention.sliding_window": int(c["sliding_window"]),
+        "rope.freq_base": float(full["rope_theta"]),
+    }
+    if float(swa["rope_theta"]) != 10_000.0:
+        keys["rope.freq_base_swa"] = float(swa["rope_theta"])
+    if full.get("rope_type", "default") == "linear":
+        keys["rope.scaling.type"], keys["rope.scaling.factor"] = "linear", float(full["factor"])
+    elif full.get("rope_type", "default") != "default":
+        raise ValueError(f"full-attention rope_type {full.get('rope_type')!r} (llama.cpp's Gemma 3: default or linear)")
+    types = c.get("layer_types") or []
+    if types and [t == "sliding_attention" for t in types] != [bool((i + 1) % SLIDING_WINDOW_PATTERN)
+                                                                for i in range(layers)]:
+        keys["attention.sliding_window_pattern"] = [t == "sliding_attention" for t in types]
+    if c.get("final_logit_softcapping") is not None:
+        keys["final_logit_softcapping"] = float(c["final_logit_softcapping"])
+    return {f"{GGUF_ARCH}.{k}": v for k, v in keys.items()}
+
+
 class GGUFConverter(gemma4_gguf.GGUFConverter):
     """Gemma 4's converter with Gemma 3's name table, plus the norm shift undone."""
 
     GGUF_ARCH = GGUF_ARCH
     GGUF_TO_HF = keymap.GGUF_TO_HF
     UNMAPPED = (f"the text stack's gguf-py {GGUF_ARCH.upper()} names are supported; vision tensors are not")
+
+    def redo(self, hf_name: str, gguf_name: str, value: Value) -> Value:
+        """llama.cpp's stored norm is 1 + w (float32); a tied lm_head is not written (see gguf_metadata)."""
+        if hf_name.endswith("norm.weight"):
+            if isinstance(value, GroupQuantizedWeight):
+                raise ValueError(f"{hf_name}: a quantized norm weight cannot take llama.cpp's +1 exactly")
+            return value.float() + 1.0
+        return value
 
     def undo(self, hf_name: str, name: str, value: Value) -> Value:
         value = super().undo(hf_name, name, value)

@@ -44,6 +44,7 @@ from llmq.quant.formats import get_format, nbytes_of
 from llmq.quant.report import ErrorReport
 from llmq.quant.row_blocks import QuantizedRowBlocks, RowBlocks
 from models.pipeline import gguf_input, inputs, verify as verification
+from models.pipeline.gguf_output import gguf_fields
 from models.pipeline.agreement import format_table
 from models.pipeline.arch import Architecture, quantizable_module
 from models.pipeline.calibration import calibrate
@@ -107,6 +108,7 @@ def run(arch: Architecture, *, checkpoint: Optional[str], recipe: Optional[str],
     recipe_name = recipe or arch.default_recipe
     try:
         quant_recipe: QuantRecipe = load_recipe(recipe_name, presets=arch.presets)
+        quant_recipe = writer.recipe_for(quant_recipe)  # e.g. int4 g32 -> GGUF's q4_0
         quant_recipe.check_formats(writer.accepts_formats, f"--backend {backend}")  # before any work
     except ValueError as e:
         raise UsageError(f"--recipe: {e}") from None
@@ -322,8 +324,7 @@ def _write_job(arch: Architecture, model_input, backend: str, out: str, recipe: 
         source_files=model_input.source_files, tokenizer_files=model_input.tokenizer_files,
         source_kind=model_input.kind, source_path=model_input.path, max_shard_bytes=max_shard_size, resume=resume,
         metadata={"architecture": arch.name, "backend": backend, "recipe": recipe_name}, verify=verify,
-        add_files=add_files, gguf_architecture=arch.gguf_architecture,
-        gguf_names=dict(arch.gguf_import.GGUFConverter.GGUF_TO_HF) if arch.gguf_import is not None else {})
+        add_files=add_files, **gguf_fields(arch, model_input))
 
 
 def _written_bits(recipe: QuantRecipe, storage):

@@ -52,11 +52,11 @@ class WriteJob:
     with its work folder once the stream is written, before the one publish, so they are
     published with the output or not at all.
 
-    For writers in llama.cpp's naming (from the model's GGUF import, empty where it has none):
-    gguf_architecture: the GGUF ``general.architecture`` value (e.g. "gemma3"); gguf_names: the
-    tensor-name table, GGUF template -> HF template, ``{L}`` standing for the layer index
-    (``"blk.{L}.attn_q.weight" -> "model.layers.{L}.self_attn.q_proj.weight"``); invert it with
-    to_hf's names to name a model tensor in GGUF.
+    For writers of GGUF files (all empty where the model has none): gguf_arch, llama.cpp's
+    architecture name; to_gguf(name, value) -> {gguf_name: value}, a model-layout tensor as llama.cpp stores it (names and value transforms
+    by the table the model's GGUF import reads); gguf_metadata() -> {key: value}, the architecture's
+    `<arch>.*` keys for the config (an HF input's; a GGUF input's own keys are in its file);
+    from_gguf(path) -> {model name: value}, a GGUF file read back by the model's GGUF import.
     """
 
     out: str
@@ -77,8 +77,10 @@ class WriteJob:
     metadata: Mapping[str, str] = dataclasses.field(default_factory=dict)
     verify: bool = False
     add_files: Optional[Callable[[str], None]] = None
-    gguf_architecture: str = ""
-    gguf_names: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    gguf_arch: str = ""
+    to_gguf: Optional[Callable[[str, Any], Dict[str, Any]]] = None
+    gguf_metadata: Optional[Callable[[], Dict[str, Any]]] = None
+    from_gguf: Optional[Callable[[str], Dict[str, Any]]] = None
 
 
 class BackendError(ValueError):
@@ -120,6 +122,8 @@ class Backend:
       `checks_consumer`, load the folder as its consumer does and compare its logits for `prompt`
       [1, T] with our unquantized (`reference`) and reloaded (`quantized`) models; the dict may hold
       "failure" (one line).
+    - recipe_for(recipe) -> recipe (the recipe unchanged): the recipe in the formats this backend
+      stores, called first on the recipe as loaded (ValueError for a rule it cannot hold).
     """
 
     name: str = ""
@@ -130,6 +134,10 @@ class Backend:
     needs_tokenizer_files: bool = False
     reloads: bool = True
     checks_consumer: bool = False
+
+    def recipe_for(self, recipe: Any) -> Any:
+        """The recipe in the formats this backend stores (ValueError for a rule it cannot hold)."""
+        return recipe
 
     def check(self, job: WriteJob) -> None:
         """Raise BackendError (one line) for a job this backend cannot write; called before any work."""
