@@ -1,0 +1,162 @@
+"""--backend=gguf end to end, read back by gguf-py (the independent reader).
+
+Gemma 3's tiny model, from its HF folder and then from the GGUF that run wrote, with a recipe using
+every block type its shapes allow: each GGUF tensor, read with gguf.GGUFReader and dequantized with
+gguf.quants.dequantize, equals llmq's own dequantization of the same quantized weight (the bundle of
+the same run) exactly, and --verify's reload through llmq's GGUF import passes. The GGUF input's keys
+are all carried over. Refusals: an int config without a block type, a row the K-quants cannot tile,
+a model without a GGUF export -- each one line, before anything is written.
+"""
+
+import json
+import os
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from llmq.checkpoint import load_bundle
+from llmq.quant.formats import GroupQuantizedWeight, dequantize_canonical
+from models.gemma3.spec import ARCHITECTURE as GEMMA3
+from models.pipeline import sources
+from models.pipeline.default_model import write_default_checkpoint, write_tiny_tokenizer
+from models.pipeline.gguf_output import gguf_fields
+from models.pipeline.quantize_and_save import UsageError, run
+from models.qwen.spec import ARCHITECTURE as QWEN
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+# Tiny Gemma 3: hidden 128, intermediate 256 (down_proj's rows are the only ones the K-quants tile).
+RECIPE = {"name": "every-block", "rules": [
+    {"pattern": r".*\.mlp\.down_proj", "layers": [0, 1], "config": {"format": "q4_k", "bits": 4, "group_size": 32,
+                                                                     "symmetric": False}},
+    {"pattern": r".*\.mlp\.down_proj", "layers": [2], "config": {"format": "q5_k", "bits": 5, "group_size": 32,
+                                                                  "symmetric": False}},
+    {"pattern": r".*\.mlp\.down_proj", "config": {"format": "q6_k", "bits": 6, "group_size": 16}},
+    {"pattern": r".*\.mlp\.gate_proj", "config": {"format": "int", "bits": 4, "group_size": 32, "symmetric": False}},
+    {"pattern": r".*\.mlp\.up_proj", "config": {"format": "q5_1", "bits": 5, "group_size": 32, "symmetric": False}},
+    {"pattern": r".*\.self_attn\.[qk]_proj", "config": {"format": "int", "bits": 5, "group_size": 32}},
+    {"pattern": r".*\.self_attn\.v_proj", "config": {"format": "int", "bits": 8, "group_size": 32}},
+    {"pattern": r".*\.self_attn\.o_proj", "config": {"format": "int", "bits": 4, "group_size": 32}},
+    {"pattern": r".*embed_tokens", "config": {"format": "q8_0", "bits": 8, "group_size": 32}},
+]}
+
+
+def _run(tmp_path, backend, recipe, checkpoint, out, verify=False):
+    return run(GEMMA3, checkpoint=checkpoint, recipe=recipe, backend=backend, out=str(tmp_path / out), resume=True,
+               max_shard_size=1 << 20, verify=verify, seed=0, progress=False)
+
+
+def _recipe(tmp_path, recipe=RECIPE):
+    path = tmp_path / "recipe.json"
+    path.write_text(json.dumps(recipe))
+    return str(path)
+
+
+def _expected(checkpoint, kind, bundle):
+    """{GGUF name: llmq's float32 value} of a bundle's tensors, through the model's own GGUF naming."""
+    source = sources.open_source(GEMMA3, checkpoint, kind)
+    to_gguf = gguf_fields(GEMMA3, source)["to_gguf"]
+    out = {}
+    for name, value in load_bundle(bundle).items():
+        for gname, gvalue in to_gguf(name, value).items():
+            out[gname] = (dequantize_canonical(gvalue) if isinstance(gvalue, GroupQuantizedWeight)
+                          else gvalue.float()).numpy()
+    return out
+
+
+def _read(path):
+    reader = gguf.GGUFReader(path)
+    tensors = {t.name: (t.tensor_type.name, gguf.quants.dequantize(t.data, t.tensor_type).reshape(
+        tuple(reversed([int(d) for d in t.shape])))) for t in reader.tensors}
+    return reader, tensors
+
+
+def _check_exact(gguf_path, expected):
+    reader, tensors = _read(gguf_path)
+    assert set(tensors) == set(expected)
+    for name, (_, values) in tensors.items():
+        assert np.array_equal(values.astype(np.float32), expected[name].astype(np.float32)), name
+    return reader, tensors
+
+
+@pytest.fixture(scope="module")
+def hf_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("hf")
+    checkpoint = write_default_checkpoint(GEMMA3, str(tmp / "ckpt"))
+    write_tiny_tokenizer(checkpoint, 512)  # a byte-level BPE tokenizer.json, read by gguf-py's BpeVocab
+    recipe = _recipe(tmp)
+    result = _run(tmp, "gguf", recipe, checkpoint, "out", verify=True)
+    # the same recipe as the gguf backend takes it, written by the bundle (llmq's own values)
+    from llmq_gguf.backend import recipe_as_blocks
+    from llmq.quant import QuantRecipe
+
+    blocks = tmp / "blocks.json"
+    recipe_as_blocks(QuantRecipe.from_file(recipe)).to_file(blocks)
+    _run(tmp, "bundle", str(blocks), checkpoint, "bundle")
+    return tmp, checkpoint, result
+
+
+def test_hf_input_reads_back_exactly_with_gguf_py(hf_run):
+    tmp, checkpoint, result = hf_run
+    assert result["verification_failure"] is None and result["cosine"] > 0.9
+    reader, tensors = _check_exact(str(tmp / "out" / "model.gguf"), _expected(checkpoint, "hf", str(tmp / "bundle")))
+    types = {name: t for name, (t, _) in tensors.items()}
+    assert {types[f"blk.{i}.ffn_down.weight"] for i in range(6)} == {"Q4_K", "Q5_K", "Q6_K"}
+    assert types["blk.0.ffn_gate.weight"] == "Q4_1" and types["blk.0.ffn_up.weight"] == "Q5_1"
+    assert types["blk.0.attn_q.weight"] == "Q5_0" and types["blk.0.attn_v.weight"] == "Q8_0"
+    assert types["blk.0.attn_output.weight"] == "Q4_0" and types["token_embd.weight"] == "Q8_0"
+    assert types["blk.0.attn_norm.weight"] == "F32" and "output.weight" not in types  # tied
+    fields = reader.fields
+    assert fields["general.architecture"].contents() == "gemma3"
+    assert fields["gemma3.block_count"].contents() == 6 and fields["gemma3.attention.key_length"].contents() == 64
+    assert len(fields["tokenizer.ggml.tokens"].contents()) == 512
+
+
+def test_gguf_input_carries_every_key_and_reads_back_exactly(hf_run, tmp_path):
+    tmp, _, _ = hf_run
+    source = str(tmp / "out" / "model.gguf")
+    result = _run(tmp_path, "gguf", "int4", source, "again", verify=True)
+    assert result["verification_failure"] is None
+    _run(tmp_path, "bundle", "int4", source, "bundle")
+    written = str(tmp_path / "again" / "model.gguf")
+    reader, tensors = _check_exact(written, _expected(source, "gguf", str(tmp_path / "bundle")))
+    before = gguf.GGUFReader(source).fields
+    for key, field in before.items():
+        if not key.startswith("GGUF.") and key != "general.file_type":
+            assert reader.fields[key].contents() == field.contents(), key
+    # the imported blocks went back as the same block types (the embedding is imported dequantized and kept
+    # by the int4 preset: F32)
+    _, src = _read(source)
+    for name, (t, values) in src.items():
+        if name != "token_embd.weight":
+            assert tensors[name][0] == t and np.array_equal(tensors[name][1], values), name
+    assert tensors["token_embd.weight"][0] == "F32"
+    weights = {}
+    for t, values in tensors.values():
+        weights[t] = weights.get(t, 0) + values.size
+    dominant = max((t for t in weights if t.startswith("Q")), key=weights.get)
+    assert reader.fields["general.file_type"].contents() == int(
+        gguf.LlamaFileType[{"Q4_K": "MOSTLY_Q4_K_M", "Q5_K": "MOSTLY_Q5_K_M"}.get(dominant, "MOSTLY_" + dominant)])
+
+
+@pytest.mark.parametrize("rule, message", [
+    ({"pattern": ".*", "config": {"format": "int", "bits": 3, "group_size": 32}}, "int3 g32 sym has no GGUF block type"),
+    ({"pattern": ".*", "config": {"format": "int", "bits": 4, "group_size": 64}}, "int4 g64 sym has no GGUF block type"),
+    ({"pattern": r".*\.mlp\.gate_proj", "config": {"format": "q4_k", "bits": 4, "group_size": 32, "symmetric": False}},
+     "q4_k (Q4_K) needs rows of a multiple of 256 elements, got K=128"),
+])
+def test_refused_in_one_line_before_any_work(tmp_path, rule, message):
+    checkpoint = write_default_checkpoint(GEMMA3, str(tmp_path / "ckpt"))
+    with pytest.raises(UsageError) as e:
+        _run(tmp_path, "gguf", _recipe(tmp_path, {"rules": [rule]}), checkpoint, "out")
+    assert message in str(e.value) and "\n" not in str(e.value)
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_model_without_gguf_export_is_refused(tmp_path):
+    with pytest.raises(UsageError, match="--backend gguf: no GGUF export for qwen"):
+        run(QWEN, checkpoint=None, recipe="int4", backend="gguf", out=str(tmp_path / "out"), resume=True,
+            max_shard_size=1 << 20, verify=False, seed=0, progress=False)
