@@ -86,8 +86,8 @@ def hf_config_from_gguf(metadata: Dict[str, Any], tensors: GGUFTensors) -> Dict[
     return config
 
 
-def gguf_metadata(hf_config: Dict[str, Any]) -> Dict[str, Any]:
-    """The ``gemma3.*`` GGUF keys of an HF ``gemma3_text`` config, as llama.cpp's converter writes them (the
+def gguf_metadata(hf_config: Dict[str, Any], config=None) -> Dict[str, Any]:
+    """The ``gemma3.*`` GGUF keys of an HF ``gemma3_text`` config (`config`, the parsed one, unused), as llama.cpp's converter writes them (the
     inverse of hf_config_from_gguf); ValueError for what llama.cpp's Gemma 3 cannot express."""
     c = dict(hf_config.get("text_config") or hf_config)
     layers = int(c["num_hidden_layers"])

@@ -108,6 +108,72 @@ def _full_rope(m: Metadata, tensors: GGUFTensors, head_dim: int) -> Dict[str, An
     return {"rope_type": "proportional", "partial_rotary_factor": 2 * rotated / head_dim, "rope_theta": theta}
 
 
+def _text(hf_config: Dict[str, Any]) -> Dict[str, Any]:
+    return dict(hf_config.get("text_config") or hf_config)
+
+
+def gguf_metadata(hf_config: Dict[str, Any], config) -> Dict[str, Any]:
+    """The ``gemma4.*`` GGUF keys of an HF ``gemma4_text`` config and its parsed `config` (per-layer geometry;
+    the inverse of hf_config_from_gguf); ValueError for what the import refuses (MoE, per-layer input
+    embeddings, KV sharing, partial sliding RoPE, layers of one kind with different geometries)."""
+    c = _text(hf_config)
+    if int(c.get("hidden_size_per_layer_input") or 0) or int(c.get("num_kv_shared_layers") or 0):
+        raise ValueError("per-layer input embeddings / KV sharing (E2B/E4B) have no GGUF export here")
+    if c.get("enable_moe_block") or int(c.get("num_experts") or 0):
+        raise ValueError("Gemma 4 MoE blocks have no GGUF export here; only the dense stack")
+    layers = int(config.num_hidden_layers)
+    swa = [t == "sliding_attention" for t in config.layer_types]
+    geometry = {kind: {(g.head_dim, g.num_key_value_heads) for g, s in zip(config.layer_geometry, swa) if s == kind}
+                for kind in (True, False)}
+    if any(len(g) > 1 for g in geometry.values()):
+        raise ValueError(f"layers of one kind differ in head dim or KV heads ({geometry}); GGUF has one per kind")
+    (head_full, kv_full), = geometry[False] or {(config.head_dim, config.num_key_value_heads)}
+    (head_swa, kv_swa), = geometry[True] or {(head_full, kv_full)}
+    rope = config.rope_parameters or {}
+    full, sliding = rope.get("full_attention", {}), rope.get("sliding_attention", {})
+    if sliding.get("rope_type", "default") != "default" or float(sliding.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError("partial or scaled RoPE on sliding layers is not expressible in llama.cpp's Gemma 4")
+    keys: Dict[str, Any] = {
+        "context_length": int(c.get("max_position_embeddings", 131072)),
+        "embedding_length": int(c["hidden_size"]),
+        "block_count": layers,
+        "feed_forward_length": int(c["intermediate_size"]),
+        "attention.head_count": int(c["num_attention_heads"]),
+        "attention.head_count_kv": [kv_swa if s else kv_full for s in swa],
+        "attention.key_length": head_full,
+        "attention.value_length": head_full,
+        "attention.key_length_swa": head_swa,
+        "attention.value_length_swa": head_swa,
+        "attention.layer_norm_rms_epsilon": float(c["rms_norm_eps"]),
+        "attention.sliding_window": int(c["sliding_window"]),
+        "attention.sliding_window_pattern": swa,
+        "attention.shared_kv_layers": 0,
+        "embedding_length_per_layer_input": 0,
+        "rope.freq_base": float(full.get("rope_theta", 1_000_000.0)),
+        "rope.freq_base_swa": float(sliding.get("rope_theta", 10_000.0)),
+        "rope.dimension_count": head_full,
+        "rope.dimension_count_swa": head_swa,
+    }
+    if c.get("final_logit_softcapping") is not None:
+        keys["final_logit_softcapping"] = float(c["final_logit_softcapping"])
+    return {f"{GGUF_ARCH}.{k}": v for k, v in keys.items()}
+
+
+def gguf_extra_tensors(hf_config: Dict[str, Any], config) -> Dict[str, torch.Tensor]:
+    """Tensors llama.cpp needs that are no model tensor: proportional RoPE on full layers as ``rope_freqs``
+    (1.0 for the rotated frequency pairs, 1e30 for the others; what _full_rope reads back)."""
+    full = (config.rope_parameters or {}).get("full_attention", {})
+    if full.get("rope_type", "default") == "default":
+        return {}
+    if full.get("rope_type") != "proportional":
+        raise ValueError(f"full-attention rope_type {full.get('rope_type')!r} (llama.cpp's Gemma 4: default or "
+                         "proportional)")
+    head = next((g.head_dim for g, t in zip(config.layer_geometry, config.layer_types) if t == "full_attention"),
+                config.head_dim)
+    rotated = int(head * float(full["partial_rotary_factor"]) / 2)
+    return {ROPE_FREQS: torch.tensor([1.0] * rotated + [1e30] * (head // 2 - rotated), dtype=torch.float32)}
+
+
 class GGUFConverter(TableConverter):
     """``convert(gguf_name, value) -> [(model_name, value)]``, one GGUF tensor at a time (the shared
     table converter, models/common/keymap.py). Gemma 3's converter is this one with its own table."""

@@ -1,6 +1,6 @@
 """--backend=gguf end to end, read back by gguf-py (the independent reader).
 
-Gemma 3's tiny model, from its HF folder and then from the GGUF that run wrote, with a recipe using
+Each model's tiny default (Gemma 3, Gemma 4), from its HF folder and then from the GGUF that run wrote, with a recipe using
 every block type its shapes allow: each GGUF tensor, read with gguf.GGUFReader and dequantized with
 gguf.quants.dequantize, equals llmq's own dequantization of the same quantized weight (the bundle of
 the same run) exactly, and --verify's reload through llmq's GGUF import passes. The GGUF input's keys
@@ -19,16 +19,19 @@ import torch
 from llmq.checkpoint import load_bundle
 from llmq.quant.formats import GroupQuantizedWeight, dequantize_canonical
 from models.gemma3.spec import ARCHITECTURE as GEMMA3
+from models.gemma4.spec import ARCHITECTURE as GEMMA4
 from models.pipeline import sources
 from models.pipeline.default_model import write_default_checkpoint, write_tiny_tokenizer
 from models.pipeline.gguf_output import gguf_fields
 from models.pipeline.quantize_and_save import UsageError, run
 from models.qwen.spec import ARCHITECTURE as QWEN
+from llmq.backend import BackendError, WriteJob
+from llmq_gguf.backend import GGUFBackend
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-# Tiny Gemma 3: hidden 128, intermediate 256 (down_proj's rows are the only ones the K-quants tile).
+# Tiny Gemma 3 / 4: hidden 128, intermediate 256 (down_proj's rows are the only ones the K-quants tile).
 RECIPE = {"name": "every-block", "rules": [
     {"pattern": r".*\.mlp\.down_proj", "layers": [0, 1], "config": {"format": "q4_k", "bits": 4, "group_size": 32,
                                                                      "symmetric": False}},
@@ -42,10 +45,21 @@ RECIPE = {"name": "every-block", "rules": [
     {"pattern": r".*\.self_attn\.o_proj", "config": {"format": "int", "bits": 4, "group_size": 32}},
     {"pattern": r".*embed_tokens", "config": {"format": "q8_0", "bits": 8, "group_size": 32}},
 ]}
+# Tiny Qwen3.5-MoE: no row of 256 (hidden 128, expert widths 64), so no K-quant.
+QWEN_RECIPE = {"name": "every-32-block", "rules": [
+    {"pattern": r".*\.experts\.gate_up_proj", "config": {"format": "q5_1", "bits": 5, "group_size": 32,
+                                                         "symmetric": False}},
+    {"pattern": r".*\.experts\.down_proj", "config": {"format": "int", "bits": 4, "group_size": 32, "symmetric": False}},
+    {"pattern": r".*\.shared_expert\..*", "config": {"format": "int", "bits": 8, "group_size": 32}},
+    {"pattern": r".*\.linear_attn\.(in_proj_qkv|in_proj_z|out_proj)", "config": {"format": "int", "bits": 5,
+                                                                              "group_size": 32}},
+    {"pattern": r".*\.self_attn\.[qkvo]_proj", "config": {"format": "q4_0", "bits": 4, "group_size": 32}},
+    {"pattern": r"lm_head", "config": {"format": "q8_0", "bits": 8, "group_size": 32}},
+]}
 
 
-def _run(tmp_path, backend, recipe, checkpoint, out, verify=False):
-    return run(GEMMA3, checkpoint=checkpoint, recipe=recipe, backend=backend, out=str(tmp_path / out), resume=True,
+def _run(tmp_path, backend, recipe, checkpoint, out, verify=False, arch=GEMMA3):
+    return run(arch, checkpoint=checkpoint, recipe=recipe, backend=backend, out=str(tmp_path / out), resume=True,
                max_shard_size=1 << 20, verify=verify, seed=0, progress=False)
 
 
@@ -55,10 +69,10 @@ def _recipe(tmp_path, recipe=RECIPE):
     return str(path)
 
 
-def _expected(checkpoint, kind, bundle):
+def _expected(arch, checkpoint, kind, bundle):
     """{GGUF name: llmq's float32 value} of a bundle's tensors, through the model's own GGUF naming."""
-    source = sources.open_source(GEMMA3, checkpoint, kind)
-    to_gguf = gguf_fields(GEMMA3, source)["to_gguf"]
+    source = sources.open_source(arch, checkpoint, kind)
+    to_gguf = gguf_fields(arch, source)["to_gguf"]
     out = {}
     for name, value in load_bundle(bundle).items():
         for gname, gvalue in to_gguf(name, value).items():
@@ -82,58 +96,70 @@ def _check_exact(gguf_path, expected):
     return reader, tensors
 
 
-@pytest.fixture(scope="module")
-def hf_run(tmp_path_factory):
+@pytest.fixture(scope="module", params=[GEMMA3, GEMMA4, QWEN], ids=lambda a: a.name)
+def hf_run(request, tmp_path_factory):
+    arch = request.param
     tmp = tmp_path_factory.mktemp("hf")
-    checkpoint = write_default_checkpoint(GEMMA3, str(tmp / "ckpt"))
+    checkpoint = write_default_checkpoint(arch, str(tmp / "ckpt"))
     write_tiny_tokenizer(checkpoint, 512)  # a byte-level BPE tokenizer.json, read by gguf-py's BpeVocab
-    recipe = _recipe(tmp)
-    result = _run(tmp, "gguf", recipe, checkpoint, "out", verify=True)
+    recipe = _recipe(tmp, QWEN_RECIPE if arch is QWEN else RECIPE)
+    result = _run(tmp, "gguf", recipe, checkpoint, "out", verify=True, arch=arch)
     # the same recipe as the gguf backend takes it, written by the bundle (llmq's own values)
     from llmq_gguf.backend import recipe_as_blocks
     from llmq.quant import QuantRecipe
 
     blocks = tmp / "blocks.json"
     recipe_as_blocks(QuantRecipe.from_file(recipe)).to_file(blocks)
-    _run(tmp, "bundle", str(blocks), checkpoint, "bundle")
-    return tmp, checkpoint, result
+    _run(tmp, "bundle", str(blocks), checkpoint, "bundle", arch=arch)
+    return arch, tmp, checkpoint, result
 
 
 def test_hf_input_reads_back_exactly_with_gguf_py(hf_run):
-    tmp, checkpoint, result = hf_run
+    arch, tmp, checkpoint, result = hf_run
     assert result["verification_failure"] is None and result["cosine"] > 0.9
-    reader, tensors = _check_exact(str(tmp / "out" / "model.gguf"), _expected(checkpoint, "hf", str(tmp / "bundle")))
+    reader, tensors = _check_exact(str(tmp / "out" / "model.gguf"),
+                                   _expected(arch, checkpoint, "hf", str(tmp / "bundle")))
     types = {name: t for name, (t, _) in tensors.items()}
+    fields = reader.fields
+    assert fields["general.architecture"].contents() == gguf_fields(arch, sources.open_source(arch, checkpoint, "hf"))[
+        "gguf_arch"]
+    assert len(fields["tokenizer.ggml.tokens"].contents()) == 512
+    if arch is QWEN:
+        assert {types["blk.0.ffn_gate_exps.weight"], types["blk.0.ffn_up_exps.weight"]} == {"Q5_1"}
+        assert types["blk.0.ffn_down_exps.weight"] == "Q4_1" and types["blk.0.ffn_up_shexp.weight"] == "Q8_0"
+        assert types["blk.0.attn_qkv.weight"] == "Q5_0" and types["blk.3.attn_q.weight"] == "Q4_0"
+        assert types["output.weight"] == "Q8_0" and types["blk.0.ssm_a"] == "F32"
+        assert fields["qwen35moe.full_attention_interval"].contents() == 4
+        return
     assert {types[f"blk.{i}.ffn_down.weight"] for i in range(6)} == {"Q4_K", "Q5_K", "Q6_K"}
     assert types["blk.0.ffn_gate.weight"] == "Q4_1" and types["blk.0.ffn_up.weight"] == "Q5_1"
     assert types["blk.0.attn_q.weight"] == "Q5_0" and types["blk.0.attn_v.weight"] == "Q8_0"
     assert types["blk.0.attn_output.weight"] == "Q4_0" and types["token_embd.weight"] == "Q8_0"
     assert types["blk.0.attn_norm.weight"] == "F32" and "output.weight" not in types  # tied
-    fields = reader.fields
-    assert fields["general.architecture"].contents() == "gemma3"
-    assert fields["gemma3.block_count"].contents() == 6 and fields["gemma3.attention.key_length"].contents() == 64
-    assert len(fields["tokenizer.ggml.tokens"].contents()) == 512
+    assert fields[f"{arch.name}.block_count"].contents() == 6
+    assert fields[f"{arch.name}.attention.key_length"].contents() == 64  # both: the full layers' head dim
 
 
 def test_gguf_input_carries_every_key_and_reads_back_exactly(hf_run, tmp_path):
-    tmp, _, _ = hf_run
+    arch, tmp, _, _ = hf_run
     source = str(tmp / "out" / "model.gguf")
-    result = _run(tmp_path, "gguf", "int4", source, "again", verify=True)
+    result = _run(tmp_path, "gguf", "int4", source, "again", verify=True, arch=arch)
     assert result["verification_failure"] is None
-    _run(tmp_path, "bundle", "int4", source, "bundle")
+    _run(tmp_path, "bundle", "int4", source, "bundle", arch=arch)
     written = str(tmp_path / "again" / "model.gguf")
-    reader, tensors = _check_exact(written, _expected(source, "gguf", str(tmp_path / "bundle")))
+    reader, tensors = _check_exact(written, _expected(arch, source, "gguf", str(tmp_path / "bundle")))
     before = gguf.GGUFReader(source).fields
     for key, field in before.items():
         if not key.startswith("GGUF.") and key != "general.file_type":
             assert reader.fields[key].contents() == field.contents(), key
-    # the imported blocks went back as the same block types (the embedding is imported dequantized and kept
-    # by the int4 preset: F32)
+    # the imported blocks went back as the same block types and values (but the Gemma embedding, which the
+    # import dequantizes: the int4 preset keeps it, F32)
     _, src = _read(source)
     for name, (t, values) in src.items():
-        if name != "token_embd.weight":
+        if t.startswith("Q") and not (name == "token_embd.weight" and arch is not QWEN):
             assert tensors[name][0] == t and np.array_equal(tensors[name][1], values), name
-    assert tensors["token_embd.weight"][0] == "F32"
+    if arch is not QWEN:
+        assert tensors["token_embd.weight"][0] == "F32"
     weights = {}
     for t, values in tensors.values():
         weights[t] = weights.get(t, 0) + values.size
@@ -157,6 +183,6 @@ def test_refused_in_one_line_before_any_work(tmp_path, rule, message):
 
 
 def test_model_without_gguf_export_is_refused(tmp_path):
-    with pytest.raises(UsageError, match="--backend gguf: no GGUF export for qwen"):
-        run(QWEN, checkpoint=None, recipe="int4", backend="gguf", out=str(tmp_path / "out"), resume=True,
-            max_shard_size=1 << 20, verify=False, seed=0, progress=False)
+    job = WriteJob(out=str(tmp_path / "out"), recipe=None, recipe_name="int4", architecture="other")
+    with pytest.raises(BackendError, match="^--backend gguf: no GGUF export for other "):
+        GGUFBackend().check(job)

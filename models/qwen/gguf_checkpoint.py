@@ -29,11 +29,14 @@ reduces to plain RoPE for text, so the rope sections are not needed.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Dict, List, Tuple
 
 import torch
 
-from models.common.keymap import TableConverter, block_template
+from llmq.quant import GroupQuantizedWeight
+
+from models.common.keymap import TableConverter, block_template, hf_to_gguf_name
 from models.pipeline.gguf_input import (
     ExpertPairFuser,
     GGUFTensors,
@@ -106,6 +109,52 @@ def hf_config_from_gguf(metadata: Dict[str, Any], tensors: GGUFTensors) -> Dict[
     return config
 
 
+def gguf_metadata(hf_config: Dict[str, Any], config) -> Dict[str, Any]:
+    """The ``qwen35moe.*`` GGUF keys of a Qwen3.5-MoE config (parsed: `config`), as llama.cpp's converter writes
+    them (the inverse of hf_config_from_gguf); ValueError where full attention is not every n-th layer."""
+    types = list(config.layer_types)
+    interval = types.index("full_attention") + 1 if "full_attention" in types else len(types) + 1
+    if types != ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(len(types))]:
+        raise ValueError(f"layer_types {types} are not full attention every n-th layer (GGUF full_attention_interval)")
+    rotary = int(config.head_dim * float(config.partial_rotary_factor))
+    text = dict(hf_config.get("text_config") or hf_config)
+    sections = list((text.get("rope_parameters") or {}).get("mrope_section") or [rotary // 2])
+    keys: Dict[str, Any] = {
+        "context_length": int(text.get("max_position_embeddings", 32768)),
+        "embedding_length": int(config.hidden_size),
+        "block_count": int(config.num_hidden_layers),
+        "attention.head_count": int(config.num_attention_heads),
+        "attention.head_count_kv": int(config.num_key_value_heads),
+        "attention.key_length": int(config.head_dim),
+        "attention.value_length": int(config.head_dim),
+        "attention.layer_norm_rms_epsilon": float(config.rms_norm_eps),
+        "rope.freq_base": float(config.rope_theta),
+        "rope.dimension_count": rotary,
+        "rope.dimension_sections": (sections + [0, 0, 0, 0])[:4],
+        "expert_count": int(config.num_experts),
+        "expert_used_count": int(config.num_experts_per_tok),
+        "expert_feed_forward_length": int(config.moe_intermediate_size),
+        "expert_shared_feed_forward_length": int(config.shared_expert_intermediate_size),
+        "ssm.conv_kernel": int(config.linear_conv_kernel_dim),
+        "ssm.state_size": int(config.linear_key_head_dim),
+        "ssm.group_count": int(config.linear_num_key_heads),
+        "ssm.time_step_rank": int(config.linear_num_value_heads),
+        "ssm.inner_size": int(config.linear_value_head_dim * config.linear_num_value_heads),
+        "full_attention_interval": interval,
+    }
+    return {f"{GGUF_ARCH}.{k}": v for k, v in keys.items()}
+
+
+def _row_slice(value: Value, start: int, stop: int) -> Value:
+    """value[..., start:stop, :], exact on quantized weights (each row carries its own groups)."""
+    if isinstance(value, GroupQuantizedWeight):
+        return dataclasses.replace(value, qdata=value.qdata[..., start:stop, :].contiguous(),
+                                   scale=value.scale[..., start:stop, :].contiguous(),
+                                   bias=value.bias[..., start:stop, :].contiguous(),
+                                   shape=(*value.shape[:-2], stop - start, value.shape[-1]))
+    return value[..., start:stop, :].contiguous()
+
+
 def _grouped_from_tiled(k_heads: int, v_heads: int, head_dim: int) -> torch.Tensor:
     """Index vector taking llama.cpp's tiled V-head order back to HF's grouped-by-K-head order:
     HF row (k * R + r) * d + j sits at GGUF row (r * K + k) * d + j (R = V heads per K head)."""
@@ -139,6 +188,43 @@ class GGUFConverter(TableConverter):
             target = _PAIR_TARGET[template].format(L=layer)
             return [(keymap.hf_to_llmq_key(t), v) for t, v in self._fuser.add(target, _PAIRS[template], value)]
         return super().convert(name, value)
+
+    def to_gguf(self, hf_name: str, value: Value) -> List[Tuple[str, Value]]:
+        """As the table says, but the fused expert stack [E, 2F, D] goes out as llama.cpp's gate and up stacks
+        (exact row slices)."""
+        if hf_name.endswith(".mlp.experts.gate_up_proj"):
+            prefix = hf_name[: -len("gate_up_proj")]
+            f = value.shape[-2] // 2
+            return [(hf_to_gguf_name(keymap._EXPERT_HALVES)(prefix + leaf), _row_slice(value, start, start + f))
+                    for leaf, start in (("gate_proj.weight", 0), ("up_proj.weight", f))]
+        return super().to_gguf(hf_name, value)
+
+    def redo(self, hf_name: str, gguf_name: str, value: Value) -> Value:
+        """The inverse of `undo` (the table in the module docstring, read right to left)."""
+        v_rows, v_heads = torch.argsort(self._v_rows), torch.argsort(self._v_heads)
+        if hf_name.endswith("norm.weight") and not hf_name.endswith("linear_attn.norm.weight"):
+            return refuse_quantized(hf_name, value, "adding llama.cpp's +1 on a zero-centred norm").float() + 1.0
+        if hf_name.endswith(".linear_attn.A_log"):
+            return -torch.exp(permute_rows(refuse_quantized(hf_name, value, "-exp(A_log)").float().reshape(-1), v_heads))
+        if hf_name.endswith(".linear_attn.dt_bias"):
+            return permute_rows(refuse_quantized(hf_name, value, "a V-head reorder").reshape(-1), v_heads)
+        if hf_name.endswith(".linear_attn.conv1d.weight"):
+            w = refuse_quantized(hf_name, value, "a reshape to [C, K]")
+            w = w.reshape(w.shape[0], -1)
+            return torch.cat([w[: 2 * self._key_dim], w[2 * self._key_dim:].index_select(0, v_rows)])
+        if hf_name.endswith(".linear_attn.in_proj_qkv.weight"):
+            keep = torch.arange(2 * self._key_dim)
+            return permute_rows(value, torch.cat([keep, v_rows + 2 * self._key_dim]))
+        if hf_name.endswith(".linear_attn.in_proj_z.weight"):
+            return permute_rows(value, v_rows)
+        if hf_name.endswith((".linear_attn.in_proj_a.weight", ".linear_attn.in_proj_b.weight")):
+            return permute_rows(value, v_heads)
+        if hf_name.endswith(".linear_attn.out_proj.weight"):
+            return permute_column_blocks(value, v_heads, self.config.linear_value_head_dim, name=hf_name,
+                                         notes=self.notes)
+        if hf_name.endswith(".mlp.shared_expert_gate.weight") and isinstance(value, torch.Tensor):
+            return value.reshape(-1)  # llama.cpp's ffn_gate_inp_shexp is [n_embd]
+        return value
 
     def undo(self, hf_name: str, name: str, value: Value) -> Value:
         if hf_name.endswith("norm.weight") and not hf_name.endswith("linear_attn.norm.weight"):
