@@ -180,8 +180,8 @@ def run(arch: Architecture, *, checkpoint: Optional[str], recipe: Optional[str],
                   f"{budget_bits_per_weight} bits per weight)", flush=True)
             budget = choose_recipe(model_stream, quant_recipe, arch.num_layers(config), budget_bits_per_weight,
                                    budget_method, calibration, storage=storage)
-            quant_recipe = budget.recipe
             try:
+                quant_recipe = getattr(writer, "recipe_for", lambda r: r)(budget.recipe)
                 quant_recipe.check_formats(writer.accepts_formats, f"--backend {backend}")
             except ValueError as e:
                 raise UsageError(f"--budget_bits_per_weight: {e}") from None
