@@ -53,11 +53,11 @@ def recipe_as_blocks(recipe: QuantRecipe) -> QuantRecipe:
             if kind is None:
                 raise BackendError(f"--backend gguf: recipe rule {rule.pattern!r}: {c.describe()} has no GGUF block "
                                    f"type; GGUF holds {_HOLDS}")
-            if c.method != "minmax":
-                raise BackendError(f"--backend gguf: recipe rule {rule.pattern!r}: method {c.method!r} does not yet "
-                                   f"choose float16 block scales; use minmax (the default)")
             t = BLOCK_TYPES[kind]
-            c = QuantConfig(format=kind, bits=t.bits, group_size=t.group, symmetric=t.symmetric)
+            if c.method not in ("minmax", "search") or (c.method == "search" and t.block != 32):
+                raise BackendError(f"--backend gguf: recipe rule {rule.pattern!r}: method {c.method!r} does not yet "
+                                   f"choose {t.ggml}'s float16 block scales; use minmax or (blocks of 32) search")
+            c = QuantConfig(format=kind, bits=t.bits, group_size=t.group, symmetric=t.symmetric, method=c.method)
         rules.append(QuantRule(rule.pattern, c, layers=rule.layers))
     return QuantRecipe(rules, num_layers=recipe.num_layers)
 

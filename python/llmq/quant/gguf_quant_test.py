@@ -102,3 +102,24 @@ def test_packed_bits_are_the_blocks(kind):
     t = gq.BLOCK_TYPES[kind]
     v = quantize_weight(weight((4, 512)), config(kind))
     assert gq.GGUFQuantFormat().packed_bits(v, config(kind)) == gq.encode_blocks(kind, v).nbytes * 8
+
+
+@pytest.mark.parametrize("kind", ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0"])
+def test_search_is_exact_and_never_worse_than_minmax(kind):
+    t = gq.BLOCK_TYPES[kind]
+    w = weight((16, 256), seed=3)
+    imp = torch.rand(256, generator=torch.Generator().manual_seed(4)) + 0.1
+    search = QuantConfig(format=kind, bits=t.bits, group_size=t.group, symmetric=t.symmetric, method="search")
+    for importance in (None, imp):
+        v = quantize_weight(w, search, importance=importance)
+        blocks = gq.encode_blocks(kind, v)
+        assert np.array_equal(gguf.quants.dequantize(blocks, T[t.ggml]), dequantize_canonical(v).numpy())
+        m = quantize_weight(w, config(kind))
+        weight_of = 1.0 if importance is None else importance
+        err = lambda q: (((dequantize_canonical(q) - w) ** 2) * weight_of).reshape(16, 8, 32).sum(-1)  # noqa: E731
+        assert bool((err(v) <= err(m)).all()) and float(err(v).sum()) < float(err(m).sum())
+
+
+def test_search_is_refused_for_k_quants():
+    with pytest.raises(ValueError, match="method 'search' is implemented for the blocks of 32"):
+        QuantConfig(format="q4_k", bits=4, group_size=32, symmetric=False, method="search")

@@ -20,7 +20,10 @@ q6_k   6     16     d * sc_j (sc_j int8)                    -32 d sc_j
 =====  ====  =====  ======================================  =================================
 
 The float16 rounding happens inside the quantizer, before the codes are chosen (the codes are
-rounded against the stored scale, not the unrounded one). Method "minmax" (the only one so far):
+rounded against the stored scale, not the unrounded one). Method "search" (blocks of 32 only; takes
+importance weights [K]) tries SEARCH_FACTORS times minmax's scale (asymmetric: a range shrunk or
+widened about its centre), each rounded to float16, and keeps the least (weighted) squared error per
+group. Method "minmax":
 q*_0 take llama.cpp's sign trick (d = the group's value of largest magnitude / -2^(b-1), so that
 value is exact), q8_0 d = max|w| / 127, q*_1 d = (max - min) / (2^b - 1) and m = min; K-quants
 take each sub-block's min-max scale and min (min <= 0), then d = max scale / 63, dmin = max |min|
@@ -93,12 +96,53 @@ def _signed_extreme(g: torch.Tensor) -> torch.Tensor:
     return g.gather(-1, idx).squeeze(-1)
 
 
-def quantize_rows(x: torch.Tensor, kind: str, name: str = "<tensor>") -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+# Method "search" (blocks of 32): each group's scale (and, asymmetric, its range) shrunk or widened by these
+# factors, every candidate rounded to float16 before its codes are chosen; the one of least (importance-weighted)
+# squared error wins. Factor 1.0 is minmax's choice, so search is never worse than minmax on a group.
+SEARCH_FACTORS = tuple(round(0.70 + 0.02 * i, 2) for i in range(21))
+
+
+def _search_32(g: torch.Tensor, kind: str, importance: Optional[torch.Tensor], name: str):
+    """(codes, d, bias) of the best candidate per group (g [R, G, 32]; importance [G, 32] or None)."""
+    t = BLOCK_TYPES[kind]
+    top = (1 << t.bits) - 1
+    lo, hi = g.amin(-1), g.amax(-1)
+    ext, amax = _signed_extreme(g), g.abs().amax(-1)
+    best = None
+    for f in SEARCH_FACTORS:
+        if kind == "q8_0":
+            d = _f16(amax * f / 127.0, name)
+            bias = d * -float(t.offset)
+        elif t.symmetric:
+            d = _f16(ext * f / -float(t.offset), name)
+            bias = d * -float(t.offset)
+        else:
+            d = _f16((hi - lo) * f / float(top), name)
+            bias = _f16(lo + (hi - lo) * (1.0 - f) / 2.0, name)  # the shrunk range stays centred
+        q = _codes(g, d, bias, top)
+        e = (q * d.unsqueeze(-1) + bias.unsqueeze(-1) - g).square_()
+        err = (e if importance is None else e * importance).sum(-1)
+        if best is None:
+            best = [err, q, d, bias]
+            continue
+        win = err < best[0]
+        best[0] = torch.where(win, err, best[0])
+        best[1] = torch.where(win.unsqueeze(-1), q, best[1])
+        best[2], best[3] = torch.where(win, d, best[2]), torch.where(win, bias, best[3])
+    return best[1], best[2], best[3]
+
+
+def quantize_rows(x: torch.Tensor, kind: str, name: str = "<tensor>", method: str = "minmax",
+                  importance: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """float32 rows [R, K] (K a multiple of the block) -> (codes uint8 [R, K], scale [R, G], bias [R, G])."""
     t = BLOCK_TYPES[kind]
     rows, k = x.shape
     top = (1 << t.bits) - 1
     g = x.reshape(rows, k // t.group, t.group)
+    if method == "search":
+        imp = None if importance is None else importance.reshape(k // t.group, t.group)
+        q, d, bias = _search_32(g, kind, imp, name)
+        return q.reshape(rows, k).to(torch.uint8), d, bias
     if t.block == 32:
         if kind == "q8_0":
             d = _f16(g.abs().amax(-1) / 127.0, name)
@@ -141,8 +185,10 @@ def _int_ratio(v: torch.Tensor, d: torch.Tensor, top: int) -> torch.Tensor:
     return torch.where(d.unsqueeze(-1) == 0, torch.zeros_like(r), r)
 
 
-def quantize(w: torch.Tensor, kind: str, *, name: str = "<tensor>") -> GroupQuantizedWeight:
-    """A 1-D, 2-D or 3-D float weight -> the canonical weight of block type `kind` (minmax, see module doc)."""
+def quantize(w: torch.Tensor, kind: str, *, name: str = "<tensor>", method: str = "minmax",
+             importance: Optional[torch.Tensor] = None) -> GroupQuantizedWeight:
+    """A 1-D, 2-D or 3-D float weight -> the canonical weight of block type `kind` (method minmax or, for the
+    blocks of 32, search; importance: positive weights [K] for search's error, see module doc)."""
     t = BLOCK_TYPES[kind]
     if w.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"{name}: expected a float32/bfloat16/float16 weight, got dtype {w.dtype}")
@@ -155,7 +201,11 @@ def quantize(w: torch.Tensor, kind: str, *, name: str = "<tensor>") -> GroupQuan
     if not bool(torch.isfinite(x).all()):
         raise ValueError(f"{name}: weight has NaN/Inf values")
     step = max(1, (1 << 22) // k)
-    parts = [quantize_rows(x[i:i + step], kind, name) for i in range(0, x.shape[0], step)]
+    if importance is not None:
+        importance = importance.detach().to(device="cpu", dtype=torch.float32).reshape(-1)
+        if importance.numel() != k or not bool((torch.isfinite(importance) & (importance > 0)).all()):
+            raise ValueError(f"{name}: importance must be K={k} finite values > 0 (one per input channel)")
+    parts = [quantize_rows(x[i:i + step], kind, name, method, importance) for i in range(0, x.shape[0], step)]
     q, scale, bias = (torch.cat([p[j] for p in parts]) for j in range(3))
     lead = tuple(w.shape[:-1]) if w.dim() >= 2 else (1,)
     return GroupQuantizedWeight(qdata=pack_bits(q, t.bits).reshape(*lead, -1).contiguous(),
@@ -307,10 +357,14 @@ class GGUFQuantFormat(Format):
     family = "gguf-quant"
     names = tuple(BLOCK_TYPES)
     has_quantized_module = True
-    methods = ("minmax",)
+    methods = ("minmax", "search")
+    importance_methods = ("search",)
 
     def validate_config(self, config: Any) -> None:
         t = BLOCK_TYPES[config.format]
+        if config.method == "search" and t.block != 32:
+            raise ValueError(f"format {config.format!r}: method 'search' is implemented for the blocks of 32 "
+                             "(q4_0 .. q8_0); the K-quants take minmax")
         if (config.bits, config.group_size, config.symmetric) != (t.bits, t.group, t.symmetric):
             raise ValueError(f"format {config.format!r} ({t.ggml}) is bits={t.bits}, group_size={t.group}, "
                              f"symmetric={t.symmetric}; got bits={config.bits}, group_size={config.group_size}, "
@@ -325,8 +379,9 @@ class GGUFQuantFormat(Format):
         return None if k % t.block == 0 else (f"{config.format} ({t.ggml}) needs rows of a multiple of {t.block} "
                                               f"elements, got K={k}")
 
-    def quantize(self, w: torch.Tensor, config: Any, *, name: str = "<tensor>") -> GroupQuantizedWeight:
-        return quantize(w, config.format, name=name)
+    def quantize(self, w: torch.Tensor, config: Any, *, name: str = "<tensor>",
+                 importance: Optional[torch.Tensor] = None) -> GroupQuantizedWeight:
+        return quantize(w, config.format, name=name, method=config.method, importance=importance)
 
     def dequantize(self, value: GroupQuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize_canonical(value, dtype)
