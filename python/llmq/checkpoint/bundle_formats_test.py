@@ -45,7 +45,9 @@ def quantized_stream(config, seed=0):
 
 def test_every_quantizable_format_is_covered():
     covered = {c.format for c in CONFIGS.values()}
-    assert covered == set(format_names(quantizable=True))
+    # gguf-quant (q4_0 .. q6_k) values are canonical "int" weights, stored as "int": covered by "int" here, and
+    # written to bundles in models/pipeline:gguf_backend_test
+    assert covered == {n for n in format_names(quantizable=True) if get_format(n).family != "gguf-quant"}
 
 
 @pytest.mark.parametrize("label", sorted(CONFIGS))
