@@ -153,6 +153,23 @@ class GGUFBackend:
     def recipe_for(self, recipe: QuantRecipe) -> QuantRecipe:
         return recipe_as_blocks(recipe)
 
+    def storage(self, config: Any, job: Optional[WriteJob]):
+        """One uint8 tensor of blocks (gguf.GGML_QUANT_SIZES: scales and mins included) per weight, of the block
+        type `config` names (an int config: the type of the same arithmetic; other int widths as Q4_1's
+        5 bits per weight would misstate them, so they count as their smallest candidate)."""
+        import gguf
+        from llmq.quant.storage import Storage
+
+        kind = config.format if config.format in BLOCK_TYPES else _INT_AS_BLOCK.get(
+            (config.bits, config.group_size, config.symmetric)) or _CANDIDATES.get(
+            (config.bits, config.group_size), ("q8_0",))[0]
+        block, nbytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[BLOCK_TYPES[kind].ggml]]
+
+        def tensors(scale_dtype, shape):
+            return {"blocks": (torch.uint8, (int(np.prod(shape)) // block * nbytes,))}
+
+        return Storage(scale_dtype=torch.float32, tensors=tensors)
+
     def check(self, job: WriteJob) -> None:
         if job.to_gguf is None or not job.gguf_arch:
             raise BackendError(f"--backend gguf: no GGUF export for {job.architecture} (its GGUF import module has "
