@@ -12,6 +12,8 @@ def format_configs():
     the configs' describe() text, e.g. 'int4_g32_asym', 'fp8_128x128', 'nvfp4_g16'."""
     out = {}
     for name in format_names(quantizable=True):
+        if get_format(name).family == "gguf-quant":
+            continue  # canonical "int" values (stored as int): llmq/quant:gguf_quant_test, pipeline:gguf_backend_test
         for fields in get_format(name).example_configs(name):
             config = QuantConfig(format=name, **fields)
             out[config.describe().replace(" ", "_")] = config

@@ -359,6 +359,11 @@ class GGUFQuantFormat(Format):
     has_quantized_module = True
     methods = ("minmax", "search")
     importance_methods = ("search",)
+    config_fields = ("bits", "group_size", "symmetric")
+
+    def default_config(self, name: str) -> Dict[str, Any]:
+        t = BLOCK_TYPES[name]
+        return {"bits": t.bits, "group_size": t.group, "symmetric": t.symmetric}
 
     def validate_config(self, config: Any) -> None:
         t = BLOCK_TYPES[config.format]
@@ -369,7 +374,7 @@ class GGUFQuantFormat(Format):
             raise ValueError(f"format {config.format!r} ({t.ggml}) is bits={t.bits}, group_size={t.group}, "
                              f"symmetric={t.symmetric}; got bits={config.bits}, group_size={config.group_size}, "
                              f"symmetric={config.symmetric}")
-        if config.scale_dtype != torch.float32:
+        if getattr(config, "scale_dtype", None) not in (None, torch.float32):
             raise ValueError(f"QuantConfig.scale_dtype for {config.format!r}: the scales are float16 inside the "
                              "canonical float32; leave scale_dtype at float32")
 
