@@ -11,11 +11,12 @@ a model without a GGUF export -- each one line, before anything is written.
 import json
 import os
 
-import gguf
 import numpy as np
 import pytest
-import torch
+from llmq_gguf.backend import GGUFBackend
 
+import gguf
+from llmq.backend import BackendError, WriteJob
 from llmq.checkpoint import load_bundle
 from llmq.quant.formats import GroupQuantizedWeight, dequantize_canonical
 from models.gemma3.spec import ARCHITECTURE as GEMMA3
@@ -25,8 +26,6 @@ from models.pipeline.default_model import write_default_checkpoint, write_tiny_t
 from models.pipeline.gguf_output import gguf_fields
 from models.pipeline.quantize_and_save import UsageError, run
 from models.qwen.spec import ARCHITECTURE as QWEN
-from llmq.backend import BackendError, WriteJob
-from llmq_gguf.backend import GGUFBackend
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -106,6 +105,7 @@ def hf_run(request, tmp_path_factory):
     result = _run(tmp, "gguf", recipe, checkpoint, "out", verify=True, arch=arch)
     # the same recipe as the gguf backend takes it, written by the bundle (llmq's own values)
     from llmq_gguf.backend import recipe_as_blocks
+
     from llmq.quant import QuantRecipe
 
     blocks = tmp / "blocks.json"

@@ -10,7 +10,7 @@ and its optional `gguf_extra_tensors(hf_config, config)` the tensors llama.cpp n
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Dict
 
 from models.pipeline.arch import Architecture
 

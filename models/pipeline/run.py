@@ -44,11 +44,11 @@ from llmq.quant.formats import get_format, nbytes_of
 from llmq.quant.report import ErrorReport
 from llmq.quant.row_blocks import QuantizedRowBlocks, RowBlocks
 from models.pipeline import gguf_input, inputs, verify as verification
-from models.pipeline.gguf_output import gguf_fields
 from models.pipeline.agreement import format_table
 from models.pipeline.arch import Architecture, quantizable_module
 from models.pipeline.calibration import calibrate
 from models.pipeline.checks import check_headers, check_stored_types, checked_stream, expected_tensors
+from models.pipeline.gguf_output import gguf_fields
 from models.pipeline.size_budget import RECIPE_FILE, choose_recipe
 from models.pipeline.usage_error import UsageError
 

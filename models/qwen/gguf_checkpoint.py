@@ -35,7 +35,6 @@ from typing import Any, Dict, List, Tuple
 import torch
 
 from llmq.quant import GroupQuantizedWeight
-
 from models.common.keymap import TableConverter, block_template, hf_to_gguf_name
 from models.pipeline.gguf_input import (
     ExpertPairFuser,

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import collections
 import os
-import shutil
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 import torch
 
-from llmq.backend import BackendError, WriteJob, register_backend
+from llmq.backend import Backend, BackendError, WriteJob, register_backend
+from llmq.checkpoint.workfolder import WorkFolder
 from llmq.quant import GroupQuantizedWeight, QuantConfig, QuantRecipe, QuantRule
 from llmq.quant.formats.gguf_quant import BLOCK_TYPES, NotExact, encode_blocks
 
@@ -97,8 +97,9 @@ def _copy_metadata(source: str, writer) -> None:
 def _add_tokenizer(folder: str, writer) -> Optional[str]:
     """The tokenizer in `folder` (tokenizer.model: SentencePiece, "llama"; tokenizer.json: BPE, "gpt2")
     written with gguf-py's vocabulary helpers; None if written, else why not."""
-    import gguf
     from pathlib import Path
+
+    import gguf
 
     path = Path(folder)
     vocab = None
@@ -138,7 +139,7 @@ def _float_tensor(t: torch.Tensor) -> Tuple[np.ndarray, Optional[Any]]:
     return t.view(torch.uint8).numpy(), gguf.GGMLQuantizationType.BF16
 
 
-class GGUFBackend:
+class GGUFBackend(Backend):
     """--backend=gguf (see the module docstring)."""
 
     name = "gguf"
@@ -158,6 +159,7 @@ class GGUFBackend:
         type `config` names (an int config: the type of the same arithmetic; other int widths as Q4_1's
         5 bits per weight would misstate them, so they count as their smallest candidate)."""
         import gguf
+
         from llmq.quant.storage import Storage
 
         kind = config.format if config.format in BLOCK_TYPES else _INT_AS_BLOCK.get(
@@ -187,22 +189,21 @@ class GGUFBackend:
         import gguf
 
         self.check(job)
-        out = job.out.rstrip(os.sep)
-        work = f"{out}.partial-{os.getpid()}"
-        shutil.rmtree(work, ignore_errors=True)
-        os.makedirs(work)
+        # <out>.partial, locked until published (llmq.checkpoint.workfolder), like every writer: a second
+        # run into the same --out is refused at once; what a killed run left there is cleared (no resume).
+        work = WorkFolder(job.out, writer="gguf", overwrite=False)
         try:
-            counts = self._write_file(os.path.join(work, FILE_NAME), stream, job, gguf)
-            os.replace(work, out) if not os.path.exists(out) else self._refuse_existing(out)
+            work.clear()
+            work.write_journal({})
+            counts = self._write_file(os.path.join(work.path, FILE_NAME), stream, job, gguf)
+            if job.add_files is not None:
+                job.add_files(work.path)
+            out = work.publish(synced=(FILE_NAME,))
         except BaseException:
-            shutil.rmtree(work, ignore_errors=True)
+            work.discard()
             raise
         self._counts[out] = counts
         return out
-
-    @staticmethod
-    def _refuse_existing(out: str):
-        raise BackendError(f"--out {out} appeared while writing; the GGUF was not published")
 
     def _write_file(self, path: str, stream, job: WriteJob, gguf) -> collections.Counter:
         writer = gguf.GGUFWriter(path, job.gguf_arch, use_temp_file=True)

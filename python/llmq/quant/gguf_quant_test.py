@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from llmq.quant import QuantConfig, quantize_weight
-from llmq.quant.formats import dequantize_canonical
-from llmq.quant.formats import gguf_quant as gq
+from llmq.quant.formats import dequantize_canonical, gguf_quant as gq
 from llmq.quant.formats.gguf_blocks import decode
 
 T = gguf.GGMLQuantizationType
@@ -99,7 +98,6 @@ def test_config_and_shape_checks():
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_packed_bits_are_the_blocks(kind):
-    t = gq.BLOCK_TYPES[kind]
     v = quantize_weight(weight((4, 512)), config(kind))
     assert gq.GGUFQuantFormat().packed_bits(v, config(kind)) == gq.encode_blocks(kind, v).nbytes * 8
 
@@ -116,7 +114,8 @@ def test_search_is_exact_and_never_worse_than_minmax(kind):
         assert np.array_equal(gguf.quants.dequantize(blocks, T[t.ggml]), dequantize_canonical(v).numpy())
         m = quantize_weight(w, config(kind))
         weight_of = 1.0 if importance is None else importance
-        err = lambda q: (((dequantize_canonical(q) - w) ** 2) * weight_of).reshape(16, 8, 32).sum(-1)  # noqa: E731
+        def err(q, weight_of=weight_of):
+            return (((dequantize_canonical(q) - w) ** 2) * weight_of).reshape(16, 8, 32).sum(-1)
         assert bool((err(v) <= err(m)).all()) and float(err(v).sum()) < float(err(m).sum())
 
 

@@ -27,6 +27,7 @@ from llmq.quant.formats.base import (
 )
 from llmq.quant.formats.fp8 import FP8Format
 from llmq.quant.formats.gguf_blocks import GGUFBlockFormat
+from llmq.quant.formats.gguf_quant import GGUFQuantFormat
 from llmq.quant.formats.int_affine import (
     DEQUANT_BLOCK_ELEMENTS,
     GroupQuantizedWeight,
@@ -36,7 +37,6 @@ from llmq.quant.formats.int_affine import (
 )
 from llmq.quant.formats.mx import MXFormat
 from llmq.quant.formats.nvfp4 import NVFP4Format
-from llmq.quant.formats.gguf_quant import GGUFQuantFormat
 
 # The registrations: one line per family.
 register_format(IntAffineFormat())

@@ -40,7 +40,7 @@ back too. gguf-py's `gguf.quants.dequantize` of those bytes equals `dequantize_c
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, NoReturn, Optional, Tuple
 
 import numpy as np
 import torch
@@ -129,6 +129,7 @@ def _search_32(g: torch.Tensor, kind: str, importance: Optional[torch.Tensor], n
         best[0] = torch.where(win, err, best[0])
         best[1] = torch.where(win.unsqueeze(-1), q, best[1])
         best[2], best[3] = torch.where(win, d, best[2]), torch.where(win, bias, best[3])
+    assert best is not None  # the candidates are never empty
     return best[1], best[2], best[3]
 
 
@@ -272,7 +273,7 @@ def _bit_planes(bits: np.ndarray) -> np.ndarray:
     """bits [N, 32 * m] (0/1) -> bytes [N, 32]: bit i of byte j is bits[32 i + j] (m <= 8 planes)."""
     n_rows, n = bits.shape
     planes = bits.reshape(n_rows, n // 32, 32).astype(np.uint8)
-    return sum((planes[:, i, :] << i) for i in range(n // 32)).astype(np.uint8)
+    return np.bitwise_or.reduce([planes[:, i, :] << i for i in range(n // 32)]).astype(np.uint8)
 
 
 class NotExact(ValueError):
@@ -294,7 +295,7 @@ def encode_blocks(kind: str, w: GroupQuantizedWeight, *, name: str = "<tensor>")
     bias = w.bias.reshape(-1, t.block // t.group)
     n_blocks = q.shape[0]
 
-    def refuse(why: str):
+    def refuse(why: str) -> NoReturn:
         raise NotExact(f"{name}: not exactly {t.ggml}: {why}")
 
     if t.block == 32:
@@ -325,7 +326,7 @@ def encode_blocks(kind: str, w: GroupQuantizedWeight, *, name: str = "<tensor>")
         d, sc = f
         ql = _nibbles(q, 128)  # per half of 128: low nibbles 0..63, high 64..127
         hi2 = (q >> 4).reshape(n_blocks, 2, 4, 32)  # per half: 2-bit field at shift 2s -> element 32 s + j
-        qh = sum((hi2[:, :, s, :] << (2 * s)) for s in range(4)).astype(np.uint8).reshape(n_blocks, 64)
+        qh = np.bitwise_or.reduce([hi2[:, :, s, :] << (2 * s) for s in range(4)]).astype(np.uint8).reshape(n_blocks, 64)
         return np.concatenate([ql, qh, sc.numpy().astype(np.int8).view(np.uint8), _half_bytes(d.numpy())],
                               axis=1).reshape(*lead, -1)
 
