@@ -19,13 +19,13 @@ import gguf
 from llmq.backend import BackendError, WriteJob
 from llmq.checkpoint import load_bundle
 from llmq.quant.formats import GroupQuantizedWeight, dequantize_canonical
-from models.gemma3.spec import ARCHITECTURE as GEMMA3
-from models.gemma4.spec import ARCHITECTURE as GEMMA4
-from models.pipeline import sources
+from models.gemma3.architecture import ARCHITECTURE as GEMMA3
+from models.gemma4.architecture import ARCHITECTURE as GEMMA4
+from models.pipeline import inputs
 from models.pipeline.default_model import write_default_checkpoint, write_tiny_tokenizer
 from models.pipeline.gguf_output import gguf_fields
 from models.pipeline.quantize_and_save import UsageError, run
-from models.qwen.spec import ARCHITECTURE as QWEN
+from models.qwen.architecture import ARCHITECTURE as QWEN
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -70,7 +70,7 @@ def _recipe(tmp_path, recipe=RECIPE):
 
 def _expected(arch, checkpoint, kind, bundle):
     """{GGUF name: llmq's float32 value} of a bundle's tensors, through the model's own GGUF naming."""
-    source = sources.open_source(arch, checkpoint, kind)
+    source = inputs.open_input(arch, checkpoint, kind)
     to_gguf = gguf_fields(arch, source)["to_gguf"]
     out = {}
     for name, value in load_bundle(bundle).items():
@@ -121,7 +121,7 @@ def test_hf_input_reads_back_exactly_with_gguf_py(hf_run):
                                    _expected(arch, checkpoint, "hf", str(tmp / "bundle")))
     types = {name: t for name, (t, _) in tensors.items()}
     fields = reader.fields
-    assert fields["general.architecture"].contents() == gguf_fields(arch, sources.open_source(arch, checkpoint, "hf"))[
+    assert fields["general.architecture"].contents() == gguf_fields(arch, inputs.open_input(arch, checkpoint, "hf"))[
         "gguf_arch"]
     assert len(fields["tokenizer.ggml.tokens"].contents()) == 512
     if arch is QWEN:
