@@ -117,8 +117,9 @@ def test_every_model_of_the_repository_is_registered_once():
         assert architecture_for_gguf(a.gguf_architecture) is a, a.gguf_architecture
 
 
-def test_the_write_job_carries_the_models_gguf_names():
-    """WriteJob gives a writer in llama.cpp's naming the model's table, so a backend never imports a model."""
+def test_the_write_job_carries_the_models_gguf_export():
+    """WriteJob gives a writer in llama.cpp's naming the model's GGUF export (names, value transforms,
+    metadata, read-back), so a backend never imports a model."""
     from models.architectures import ARCHITECTURES
     from models.pipeline.run import _write_job
 
@@ -126,6 +127,7 @@ def test_the_write_job_carries_the_models_gguf_names():
         source = types.SimpleNamespace(hf_config=a.tiny_hf_config(), config=a.config_from_hf(a.tiny_hf_config()),
                                        source_files=(), tokenizer_files=(), kind="hf", path="/in")
         job = _write_job(a, source, "bundle", "/out", None, "int4", 1 << 20, False, False)
-        assert job.gguf_architecture == a.gguf_import.GGUF_ARCH and job.source_path == "/in"
-        assert job.gguf_names == dict(a.gguf_import.GGUFConverter.GGUF_TO_HF) and job.gguf_names
-        assert any(k.startswith("blk.{L}.") for k in job.gguf_names), a.name
+        assert job.gguf_arch == a.gguf_import.GGUF_ARCH and job.source_path == "/in", a.name
+        assert callable(job.to_gguf) and callable(job.from_gguf), a.name
+        metadata = job.gguf_metadata()
+        assert any(k.startswith(job.gguf_arch + ".") for k in metadata), a.name
