@@ -337,7 +337,7 @@ def test_gguf_hostile_counts_and_lengths(workdir, edits, delta, cut):
 def read_all_rows(path, chunk_bytes: int, multiple: int):
     """Consume the reader with tensors over `chunk_bytes` as row blocks (iter_checkpoint(chunk_bytes=)),
     every block read; return {name: whole tensor rebuilt from its blocks} or the CheckpointError."""
-    from llmq.quant.chunked import RowBlocks
+    from llmq.quant.row_blocks import RowBlocks
 
     with time_limit(5.0):
         try:
