@@ -10,9 +10,9 @@ write_tokenizer_files -> AutoTokenizer / tokenizers / mlx_lm.
 
 import os
 
+import gguf
 import pytest
 
-import gguf
 from llmq.checkpoint import gguf_header
 from models.common import tokenizer as tk
 

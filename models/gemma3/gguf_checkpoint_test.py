@@ -9,12 +9,12 @@ with the scale 1 + w bit-identical.
 
 import dataclasses
 
+import gguf
 import numpy as np
 import pytest
 import torch
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-import gguf
 from llmq.checkpoint import load_bundle
 from llmq.quant import GroupQuantizedWeight
 from llmq.quant.formats import dequantize_canonical

@@ -12,6 +12,7 @@ every tensor (Gemma 4's text tensors without the per-layer output scale); nothin
 from __future__ import annotations
 
 import gguf
+
 from models.common.keymap import gguf_to_hf_table
 from models.gemma4 import keymap as gemma4_keymap
 

@@ -173,9 +173,8 @@ def llmq_variant(tensors: Dict[str, torch.Tensor], names: List[str], recipe_for:
 def gguf_variant(path: str, names: List[str], gguf_names: Dict[str, str], reference: Dict[str, torch.Tensor]
                  ) -> Tuple[Dict[str, torch.Tensor], float, Dict[str, int]]:
     """A llama.cpp GGUF's projections through gguf-py's dequantizer; (weights, bpw, tensor types used)."""
-    import numpy as np
-
     import gguf
+    import numpy as np
 
     reader = gguf.GGUFReader(path)
     by_name = {t.name: t for t in reader.tensors}

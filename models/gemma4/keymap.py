@@ -13,6 +13,7 @@ offsets, rope_freqs) are the GGUF importer's concern (gguf_checkpoint.py).
 from __future__ import annotations
 
 import gguf
+
 from models.common.keymap import gguf_to_hf_table, text_key_map
 
 # Also Gemma 3's multimodal layouts (``model.multi_modal_projector.``).

@@ -11,14 +11,14 @@ a model without a GGUF export -- each one line, before anything is written.
 import json
 import os
 
+import gguf
 import numpy as np
 import pytest
-from llmq_gguf.backend import GGUFBackend
 
-import gguf
 from llmq.backend import BackendError, WriteJob
 from llmq.checkpoint import load_bundle
 from llmq.quant.formats import GroupQuantizedWeight, dequantize_canonical
+from llmq_gguf.backend import GGUFBackend
 from models.gemma3.architecture import ARCHITECTURE as GEMMA3
 from models.gemma4.architecture import ARCHITECTURE as GEMMA4
 from models.pipeline import inputs
@@ -104,9 +104,8 @@ def hf_run(request, tmp_path_factory):
     recipe = _recipe(tmp, QWEN_RECIPE if arch is QWEN else RECIPE)
     result = _run(tmp, "gguf", recipe, checkpoint, "out", verify=True, arch=arch)
     # the same recipe as the gguf backend takes it, written by the bundle (llmq's own values)
-    from llmq_gguf.backend import recipe_as_blocks
-
     from llmq.quant import QuantRecipe
+    from llmq_gguf.backend import recipe_as_blocks
 
     blocks = tmp / "blocks.json"
     recipe_as_blocks(QuantRecipe.from_file(recipe)).to_file(blocks)

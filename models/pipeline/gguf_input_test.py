@@ -18,11 +18,11 @@ import json
 import os
 import time
 
+import gguf
 import numpy as np
 import pytest
 import torch
 
-import gguf
 from llmq.checkpoint import CheckpointError, load_bundle
 from llmq.quant import GroupQuantizedWeight
 from llmq.quant.formats import dequantize_canonical

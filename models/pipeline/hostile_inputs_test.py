@@ -6,10 +6,10 @@ The files are tiny and generated here (GGUFs under 1 KB by gguf-py's GGUFWriter)
 
 import os
 
+import gguf
 import numpy as np
 import pytest
 
-import gguf
 from models.gemma3.architecture import ARCHITECTURE as GEMMA3
 from models.pipeline.cli_testing import assert_one_line_exit_2, run_main
 from models.qwen.architecture import ARCHITECTURE as QWEN

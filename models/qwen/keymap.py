@@ -14,9 +14,9 @@ from __future__ import annotations
 import re
 from typing import Dict
 
+import gguf
 import torch
 
-import gguf
 from models.common.keymap import gguf_to_hf_table, text_key_map
 
 hf_to_llmq_key = text_key_map(("model.visual.", "visual.", "mtp.", "model.mtp."))
