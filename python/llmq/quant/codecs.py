@@ -266,3 +266,28 @@ def row_ranges(rows: int, k: int, elements: int):
     step = max(1, elements // k)
     for start in range(0, rows, step):
         yield start, min(rows, start + step)
+
+
+class BestPerGroup:
+    """The running choice, per group, among candidate (codes, scale, bias) triples: `offer` each
+    with its error per group [..., G]; the least error wins, the earlier candidate on a tie."""
+
+    def __init__(self) -> None:
+        self.err: Optional[torch.Tensor] = None
+        self.codes = self.scale = self.bias = torch.empty(0)
+
+    def offer(self, err: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor) -> None:
+        if self.err is None:
+            self.err, self.codes, self.scale, self.bias = err, codes, scale, bias
+            return
+        win = err < self.err
+        self.err = torch.where(win, err, self.err)
+        self.codes = torch.where(win.unsqueeze(-1), codes, self.codes)
+        self.scale = torch.where(win, scale, self.scale)
+        self.bias = torch.where(win, bias, self.bias)
+
+    def chosen(self, name: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(codes, scale, bias) of the winners; a ValueError naming `name` when nothing was offered."""
+        if self.err is None:
+            raise ValueError(f"{name}: no candidate scales to choose from")
+        return self.codes, self.scale, self.bias

@@ -27,7 +27,7 @@ from typing import Iterable, Optional, Tuple
 
 import torch
 
-from llmq.quant.codecs import qparams_asymmetric, qparams_symmetric, round_to_dtype, smallest_scale
+from llmq.quant.codecs import BestPerGroup, qparams_asymmetric, qparams_symmetric, round_to_dtype, smallest_scale
 
 NARROW_SCALE_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -51,7 +51,7 @@ def best_rounded(g: torch.Tensor, candidates: Iterable[Tuple[torch.Tensor, torch
     offset = (1 << (bits - 1)) if symmetric else None
     g64 = g.to(torch.float64)
     imp = None if importance is None else importance.to(torch.float64)
-    best = None
+    best = BestPerGroup()
     for scale, bias in candidates:
         s, b = _rounded(scale, bias, dtype, offset, name)
         s64, b64 = s.to(torch.float64).unsqueeze(-1), b.to(torch.float64).unsqueeze(-1)
@@ -60,18 +60,9 @@ def best_rounded(g: torch.Tensor, candidates: Iterable[Tuple[torch.Tensor, torch
         sq = recon.sub_(g64).square_()
         if imp is not None:
             sq.mul_(imp)
-        err = sq.sum(-1)
-        if best is None:
-            best = [err, q, s, b]
-            continue
-        better = err < best[0]
-        best[0] = torch.where(better, err, best[0])
-        best[1] = torch.where(better.unsqueeze(-1), q, best[1])
-        best[2] = torch.where(better, s, best[2])
-        best[3] = torch.where(better, b, best[3])
-    if best is None:
-        raise ValueError(f"{name}: no candidate scales to choose from")
-    return best[1].to(torch.uint8), best[2], best[3]
+        best.offer(sq.sum(-1), q, s, b)
+    codes, scale, bias = best.chosen(name)
+    return codes.to(torch.uint8), scale, bias
 
 
 def quantize_groups(g: torch.Tensor, config, importance: Optional[torch.Tensor], name: str):

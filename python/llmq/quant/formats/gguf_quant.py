@@ -45,6 +45,7 @@ from typing import Any, Dict, NoReturn, Optional, Tuple
 import numpy as np
 import torch
 
+from llmq.quant.codecs import BestPerGroup
 from llmq.quant.formats.base import Format
 from llmq.quant.formats.int_affine import GroupQuantizedWeight, dequantize_canonical, pack_bits, unpack_bits
 
@@ -108,7 +109,7 @@ def _search_32(g: torch.Tensor, kind: str, importance: Optional[torch.Tensor], n
     top = (1 << t.bits) - 1
     lo, hi = g.amin(-1), g.amax(-1)
     ext, amax = _signed_extreme(g), g.abs().amax(-1)
-    best = None
+    best = BestPerGroup()
     for f in SEARCH_FACTORS:
         if kind == "q8_0":
             d = _f16(amax * f / 127.0, name)
@@ -121,16 +122,8 @@ def _search_32(g: torch.Tensor, kind: str, importance: Optional[torch.Tensor], n
             bias = _f16(lo + (hi - lo) * (1.0 - f) / 2.0, name)  # the shrunk range stays centred
         q = _codes(g, d, bias, top)
         e = (q * d.unsqueeze(-1) + bias.unsqueeze(-1) - g).square_()
-        err = (e if importance is None else e * importance).sum(-1)
-        if best is None:
-            best = [err, q, d, bias]
-            continue
-        win = err < best[0]
-        best[0] = torch.where(win, err, best[0])
-        best[1] = torch.where(win.unsqueeze(-1), q, best[1])
-        best[2], best[3] = torch.where(win, d, best[2]), torch.where(win, bias, best[3])
-    assert best is not None  # the candidates are never empty
-    return best[1], best[2], best[3]
+        best.offer((e if importance is None else e * importance).sum(-1), q, d, bias)
+    return best.chosen(name)
 
 
 def quantize_rows(x: torch.Tensor, kind: str, name: str = "<tensor>", method: str = "minmax",
