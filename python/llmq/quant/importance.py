@@ -21,8 +21,9 @@ from torch import nn
 
 
 class _Accumulator:
-    def __init__(self, sample_rows: int = 0, sample_every: int = 1):
+    def __init__(self, sample_rows: int = 0, sample_every: int = 1, hessians: bool = False):
         self.sum_sq: Dict[str, torch.Tensor] = {}
+        self.sum_outer: Optional[Dict[str, torch.Tensor]] = {} if hessians else None
         self.count: Dict[str, int] = {}
         self.samples: Dict[str, list] = {}
         self.sample_rows = sample_rows
@@ -35,6 +36,9 @@ class _Accumulator:
             acc = self.sum_sq.get(name)
             add = flat.pow(2).sum(dim=0)
             self.sum_sq[name] = add if acc is None else acc + add
+            if self.sum_outer is not None:  # X^T X in float64: a sum over many tokens
+                outer = self.sum_outer.get(name)
+                self.sum_outer[name] = flat.T @ flat if outer is None else outer.addmm_(flat.T, flat)
             seen = self.count.get(name, 0)
             self.count[name] = seen + flat.shape[0]
             if self.sample_rows:
@@ -84,11 +88,14 @@ class Calibration:
     """What a calibration text tells about each linear layer (keyed by module name):
     `importance` [K] = E[x_k^2] (floored as in collect_importance), `inputs` [R, K] float32 =
     R <= sample_rows input rows seen by the layer (tokens spread evenly over the text), and
-    `tokens` = how many tokens were run."""
+    `tokens` = how many tokens were run; `hessians` [K, K] float32 = the mean over the tokens of
+    x x^T (X^T X / tokens, what method "gptq" rounds against), only when collected with
+    hessians=True (else empty)."""
 
     importance: Dict[str, torch.Tensor]
     inputs: Dict[str, torch.Tensor]
     tokens: int
+    hessians: Dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
     def importance_of(self, module: str) -> Optional[torch.Tensor]:
         return self.importance.get(module)
@@ -96,19 +103,26 @@ class Calibration:
     def inputs_of(self, module: str) -> Optional[torch.Tensor]:
         return self.inputs.get(module)
 
+    def hessian_of(self, module: str) -> Optional[torch.Tensor]:
+        return self.hessians.get(module)
+
 
 @torch.no_grad()
 def collect_calibration(model: nn.Module, batches: Iterable[torch.Tensor], *, sample_rows: int = 64,
-                        floor: float = 1e-6) -> Calibration:
+                        floor: float = 1e-6, hessians: bool = False) -> Calibration:
     """collect_importance plus, per linear, every (tokens // sample_rows)-th input row (at most
     sample_rows of them): enough to measure a layer's output error ||X (W - W')^T|| on real
-    activations without keeping them all (sample_rows * K floats per layer)."""
+    activations without keeping them all (sample_rows * K floats per layer).
+
+    hessians: also the mean of x x^T over every input row of every linear (float64 sums, kept as
+    float32 [K, K]: K^2 floats per layer), for method "gptq"."""
     batches = list(batches)  # token ids only: the count sets the sampling stride before the run
     tokens = sum(int(b.numel()) for b in batches)
-    acc = _Accumulator(sample_rows=sample_rows, sample_every=max(1, tokens // max(sample_rows, 1)))
+    acc = _Accumulator(sample_rows=sample_rows, sample_every=max(1, tokens // max(sample_rows, 1)), hessians=hessians)
     _run(model, batches, acc)
     inputs = {name: torch.cat(rows) for name, rows in acc.samples.items() if rows}
-    return Calibration(_importance(acc, floor), inputs, tokens)
+    outer = {name: (total / acc.count[name]).float() for name, total in (acc.sum_outer or {}).items()}
+    return Calibration(_importance(acc, floor), inputs, tokens, outer)
 
 
 def token_batches(ids: torch.Tensor, seq_len: int) -> Iterable[torch.Tensor]:

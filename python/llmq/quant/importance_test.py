@@ -58,3 +58,19 @@ def test_calibration_keeps_evenly_spread_input_rows():
     assert cal.inputs_of("down").shape == (6, 32)
     torch.testing.assert_close(cal.importance_of("up"), collect_importance(model, token_batches(ids, 10))["up"])
     assert cal.inputs_of("embed") is None
+
+
+def test_hessians_are_the_mean_outer_product_of_each_linears_inputs_when_asked():
+    torch.manual_seed(2)
+    model = Tiny()
+    ids = torch.randint(0, 50, (37,))
+    assert collect_calibration(model, token_batches(ids, 10)).hessians == {}
+    cal = collect_calibration(model, token_batches(ids, 10), hessians=True)
+    x = model.embed.weight[ids].detach().double()  # every token once, by hand
+    h = torch.relu(x @ model.up.weight.detach().double().T + model.up.bias.detach().double())
+    assert cal.hessian_of("up").dtype == torch.float32 and cal.hessian_of("up").shape == (16, 16)
+    torch.testing.assert_close(cal.hessian_of("up").double(), x.T @ x / 37, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(cal.hessian_of("down").double(), h.T @ h / 37, rtol=1e-5, atol=1e-7)
+    # its diagonal is the importance (before the floor)
+    torch.testing.assert_close(cal.hessian_of("up").diagonal(), cal.importance_of("up"), rtol=1e-5, atol=1e-7)
+    assert cal.hessian_of("embed") is None
