@@ -122,3 +122,42 @@ def test_search_is_exact_and_never_worse_than_minmax(kind):
 def test_search_is_refused_for_k_quants():
     with pytest.raises(ValueError, match="method 'search' is implemented for the blocks of 32"):
         QuantConfig(format="q4_k", bits=4, group_size=32, symmetric=False, method="search")
+
+
+def _with_exact_halves(shape, seed):
+    """Random groups of 32, and groups whose values sit exactly half way between two codes under llama.cpp's
+    own d (d = 1: the extreme is -2^(b-1) for q*_0, 127 for q8_0; q*_1 min 0 and max 2^b - 1)."""
+    w = weight(shape, seed)
+    g = w.view(-1, 32)
+    halves = torch.arange(32, dtype=torch.float32) % 7 - 3.5  # -3.5 .. 2.5, all halves
+    g[3] = halves
+    g[3, 0] = -8.0  # q4_0: d = 1
+    g[4] = halves
+    g[4, 0] = -16.0  # q5_0: d = 1
+    g[5] = halves.abs()
+    g[5, 0], g[5, 1] = 0.0, 15.0  # q4_1: d = 1, m = 0
+    g[6] = halves.abs()
+    g[6, 0], g[6, 1] = 0.0, 31.0  # q5_1
+    g[7] = halves * 3
+    g[7, 0] = 127.0  # q8_0: d = 1
+    g[8] = -g[7]
+    g[9] = 0.0  # an all-zero group (d = -0.0 for q*_0)
+    return w
+
+
+@pytest.mark.parametrize("ggml", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_minmax_is_llama_cpp_reference_byte_for_byte(ggml, seed):
+    """llmq's minmax of the blocks of 32 writes exactly the bytes of gguf-py's quantizer (llama.cpp's reference
+    rounding: truncated x / d + 2^(b-1) + 0.5, half away from zero for Q8_0), exact halves included."""
+    kind = gq.BY_GGML[ggml]
+    w = _with_exact_halves((6, 8, 256), seed) * (1.0 if seed < 2 else 300.0)
+    v = quantize_weight(w, config(kind), name="w")
+    ours = gq.encode_blocks(kind, v, name="w")
+    ref = gguf.quants.quantize(w.numpy(), T[ggml])
+    assert ours.shape == ref.shape and np.array_equal(ours, ref)
+    if seed == 0 and ggml != "Q8_0":  # the exact halves round up, not to even
+        g = w.view(-1, 32)
+        row = {"Q4_0": 3, "Q5_0": 4, "Q4_1": 5, "Q5_1": 6}[ggml]
+        deq = dequantize_canonical(v).view(-1, 32)[row]
+        assert bool((deq[2:] - g[row, 2:] == 0.5).all())

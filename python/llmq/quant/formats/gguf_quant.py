@@ -23,9 +23,11 @@ The float16 rounding happens inside the quantizer, before the codes are chosen (
 rounded against the stored scale, not the unrounded one). Method "search" (blocks of 32 only; takes
 importance weights [K]) tries SEARCH_FACTORS times minmax's scale (asymmetric: a range shrunk or
 widened about its centre), each rounded to float16, and keeps the least (weighted) squared error per
-group. Method "minmax":
-q*_0 take llama.cpp's sign trick (d = the group's value of largest magnitude / -2^(b-1), so that
-value is exact), q8_0 d = max|w| / 127, q*_1 d = (max - min) / (2^b - 1) and m = min; K-quants
+group. Method "minmax": q4_0 .. q8_0 are llama.cpp's reference quantizer byte for byte (gguf-py's
+`gguf.quants.quantize`): q*_0 the sign trick (d = the group's value of largest magnitude / -2^(b-1), so
+that value is exact), q8_0 d = max|w| / 127, q*_1 d = (max - min) / (2^b - 1) and m = min, the codes
+trunc(x / d + 2^(b-1) + 0.5) (q*_1 trunc((x - m) / d + 0.5), q8_0 half away from zero) against the
+unrounded float32 d, d and m then stored as float16; K-quants
 take each sub-block's min-max scale and min (min <= 0), then d = max scale / 63, dmin = max |min|
 / 63 (q6_k: d = the sub-block scale of largest magnitude / -128), then round each sub-block's
 integers against the float16 d / dmin. Rows must be a whole number of blocks (32, or 256 for
@@ -126,6 +128,37 @@ def _search_32(g: torch.Tensor, kind: str, importance: Optional[torch.Tensor], n
     return best.chosen(name)
 
 
+def _round_away(v: torch.Tensor) -> torch.Tensor:
+    """roundf: half away from zero, as floor(a) + floor(2 (a - floor(a))) with a = |v| (exact in float32)."""
+    a = v.abs()
+    fl = a.floor()
+    return torch.sign(v) * (fl + (2.0 * (a - fl)).floor())
+
+
+def minmax_legacy(g: torch.Tensor, kind: str, name: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """llama.cpp's reference q4_0 .. q8_0 of float32 groups g [..., 32] (gguf-py's quants.py, to the byte):
+    (codes, stored scale, stored bias). The codes are chosen against the unrounded float32 d (and min):
+    trunc(x / d + 2^(b-1) + 0.5), q*_1 trunc((x - min) / d + 0.5), q8_0 round half away from zero."""
+    t = BLOCK_TYPES[kind]
+    if kind == "q8_0":
+        d = g.abs().amax(-1) / 127.0
+    elif t.symmetric:
+        d = _signed_extreme(g) / -float(t.offset)
+    else:
+        lo = g.amin(-1)
+        d = (g.amax(-1) - lo) / float((1 << t.bits) - 1)
+    inv = torch.where(d == 0, torch.zeros_like(d), 1.0 / torch.where(d == 0, torch.ones_like(d), d)).unsqueeze(-1)
+    if kind == "q8_0":
+        q = _round_away(g * inv).add_(128.0)
+    elif t.symmetric:
+        q = (g * inv).add_(float(t.offset) + 0.5).trunc_().clamp_(0, (1 << t.bits) - 1)
+    else:
+        q = (g - lo.unsqueeze(-1)).mul_(inv).add_(0.5).trunc_().clamp_(0, (1 << t.bits) - 1)
+    scale = _f16(d, name)
+    bias = scale * -float(t.offset) if t.symmetric else _f16(lo, name)
+    return q, scale, bias
+
+
 def quantize_rows(x: torch.Tensor, kind: str, name: str = "<tensor>", method: str = "minmax",
                   importance: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """float32 rows [R, K] (K a multiple of the block) -> (codes uint8 [R, K], scale [R, G], bias [R, G])."""
@@ -138,17 +171,8 @@ def quantize_rows(x: torch.Tensor, kind: str, name: str = "<tensor>", method: st
         q, d, bias = _search_32(g, kind, imp, name)
         return q.reshape(rows, k).to(torch.uint8), d, bias
     if t.block == 32:
-        if kind == "q8_0":
-            d = _f16(g.abs().amax(-1) / 127.0, name)
-        elif t.symmetric:
-            d = _f16(_signed_extreme(g) / -float(t.offset), name)
-        else:
-            lo, hi = g.amin(-1), g.amax(-1)
-            d = _f16((hi - lo) / float(top), name)
-            m = _f16(lo, name)
-            return _codes(g, d, m, top).reshape(rows, k).to(torch.uint8), d, m
-        bias = d * -float(t.offset)
-        return _codes(g, d, bias, top).reshape(rows, k).to(torch.uint8), d, bias
+        q, d, bias = minmax_legacy(g, kind, name)
+        return q.reshape(rows, k).to(torch.uint8), d, bias
     per = t.block // t.group  # sub-blocks per super-block
     sub = g.reshape(rows, k // t.block, per, t.group)
     if kind == "q6_k":
