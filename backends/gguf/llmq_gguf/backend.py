@@ -27,6 +27,7 @@ import torch
 from llmq.backend import Backend, BackendError, WriteJob, register_backend
 from llmq.checkpoint.workfolder import WorkFolder
 from llmq.quant import GroupQuantizedWeight, QuantConfig, QuantRecipe, QuantRule
+from llmq.quant.formats.gguf_fit import METHODS
 from llmq.quant.formats.gguf_quant import BLOCK_TYPES, NotExact, encode_blocks
 
 FILE_NAME = "model.gguf"
@@ -54,9 +55,9 @@ def recipe_as_blocks(recipe: QuantRecipe) -> QuantRecipe:
                 raise BackendError(f"--backend gguf: recipe rule {rule.pattern!r}: {c.describe()} has no GGUF block "
                                    f"type; GGUF holds {_HOLDS}")
             t = BLOCK_TYPES[kind]
-            if c.method not in ("minmax", "search") or (c.method == "search" and t.block != 32):
-                raise BackendError(f"--backend gguf: recipe rule {rule.pattern!r}: method {c.method!r} does not yet "
-                                   f"choose {t.ggml}'s float16 block scales; use minmax or (blocks of 32) search")
+            if c.method not in METHODS:
+                raise BackendError(f"--backend gguf: recipe rule {rule.pattern!r}: method {c.method!r} does not "
+                                   f"choose {t.ggml}'s block scales; use one of {', '.join(METHODS)}")
             c = QuantConfig(format=kind, bits=t.bits, group_size=t.group, symmetric=t.symmetric, method=c.method)
         rules.append(QuantRule(rule.pattern, c, layers=rule.layers))
     return QuantRecipe(rules, num_layers=recipe.num_layers)

@@ -4,34 +4,11 @@ A recipe may name q4_0, q4_1, q5_0, q5_1, q8_0 (blocks of 32) and the K-quants q
 of 256: eight sub-blocks of 32 with 6-bit scales and mins) and q6_k (sixteen sub-blocks of 16 with int8
 scales). The quantized weight is the ordinary canonical GroupQuantizedWeight ("int": unsigned q, float32
 scale, additive bias; everything downstream reads it unchanged), chosen under the block type's
-constraints so that it *is* a GGUF block bit for bit:
-
-=====  ====  =====  ======================================  =================================
-name   bits  group  scale                                   bias
-=====  ====  =====  ======================================  =================================
-q4_0   4     32     d (float16)                             -8 d
-q4_1   4     32     d (float16)                             m (float16)
-q5_0   5     32     d                                       -16 d
-q5_1   5     32     d                                       m
-q8_0   8     32     d                                       -128 d
-q4_k   4     32     d * sc_j (d float16, sc_j in 0..63)     -dmin * m_j (dmin float16, m_j in 0..63)
-q5_k   5     32     d * sc_j                                -dmin * m_j
-q6_k   6     16     d * sc_j (sc_j int8)                    -32 d sc_j
-=====  ====  =====  ======================================  =================================
-
-The float16 rounding happens inside the quantizer, before the codes are chosen (the codes are
-rounded against the stored scale, not the unrounded one). Method "search" (blocks of 32 only; takes
-importance weights [K]) tries SEARCH_FACTORS times minmax's scale (asymmetric: a range shrunk or
-widened about its centre), each rounded to float16, and keeps the least (weighted) squared error per
-group. Method "minmax": q4_0 .. q8_0 are llama.cpp's reference quantizer byte for byte (gguf-py's
-`gguf.quants.quantize`): q*_0 the sign trick (d = the group's value of largest magnitude / -2^(b-1), so
-that value is exact), q8_0 d = max|w| / 127, q*_1 d = (max - min) / (2^b - 1) and m = min, the codes
-trunc(x / d + 2^(b-1) + 0.5) (q*_1 trunc((x - m) / d + 0.5), q8_0 half away from zero) against the
-unrounded float32 d, d and m then stored as float16; K-quants
-take each sub-block's min-max scale and min (min <= 0), then d = max scale / 63, dmin = max |min|
-/ 63 (q6_k: d = the sub-block scale of largest magnitude / -128), then round each sub-block's
-integers against the float16 d / dmin. Rows must be a whole number of blocks (32, or 256 for
-the K-quants): `shape_problem` refuses the others before any work.
+constraints so that it *is* a GGUF block bit for bit. The table of what each type stores, and the
+methods (minmax: llama.cpp's reference rounding, byte for byte for the blocks of 32; search; hqq; the
+last two importance-weighted) are in llmq.quant.formats.gguf_fit, which fits the stored parameters and
+then rounds the codes against them. Rows must be a whole number of blocks (32, or 256 for the
+K-quants): `shape_problem` refuses the others before any work.
 
 `encode_blocks(type, weight)` writes any canonical weight whose values a block type holds as that
 type's bytes (ggml-common.h's layouts, the inverse of llmq.quant.formats.gguf_blocks), and raises
@@ -41,172 +18,24 @@ back too. gguf-py's `gguf.quants.dequantize` of those bytes equals `dequantize_c
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Dict, NoReturn, Optional, Tuple
 
 import numpy as np
 import torch
 
-from llmq.quant.codecs import BestPerGroup
 from llmq.quant.formats.base import Format
+from llmq.quant.formats.gguf_fit import BLOCK_TYPES, METHODS, BlockType, quantize_rows, signed_extreme
 from llmq.quant.formats.int_affine import GroupQuantizedWeight, dequantize_canonical, pack_bits, unpack_bits
 
+__all__ = ["BLOCK_TYPES", "BY_GGML", "BlockType", "GGUFQuantFormat", "NotExact", "encode_blocks", "quantize"]
 
-@dataclasses.dataclass(frozen=True)
-class BlockType:
-    ggml: str  # GGML type name (gguf.GGMLQuantizationType member)
-    bits: int
-    group: int  # elements sharing one scale / bias (a sub-block for the K-quants)
-    block: int  # elements per block (32, or 256 for the K-quants' super-blocks)
-    symmetric: bool  # bias = -2^(b-1) * scale
-
-    @property
-    def offset(self) -> int:
-        return 1 << (self.bits - 1)
-
-
-BLOCK_TYPES: Dict[str, BlockType] = {
-    "q4_0": BlockType("Q4_0", 4, 32, 32, True),
-    "q4_1": BlockType("Q4_1", 4, 32, 32, False),
-    "q5_0": BlockType("Q5_0", 5, 32, 32, True),
-    "q5_1": BlockType("Q5_1", 5, 32, 32, False),
-    "q8_0": BlockType("Q8_0", 8, 32, 32, True),
-    "q4_k": BlockType("Q4_K", 4, 32, 256, False),
-    "q5_k": BlockType("Q5_K", 5, 32, 256, False),
-    "q6_k": BlockType("Q6_K", 6, 16, 256, True),
-}
 BY_GGML = {t.ggml: name for name, t in BLOCK_TYPES.items()}
-
-
-def _f16(x: torch.Tensor, name: str) -> torch.Tensor:
-    """x rounded to float16 (nearest), as float32; a value float16 cannot hold is refused."""
-    r = x.to(torch.float16).to(torch.float32)
-    if not bool(torch.isfinite(r).all()):
-        raise ValueError(f"{name}: a block scale overflows float16 (|scale| > 65504): no GGUF block holds it")
-    return r
-
-
-def _codes(x: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, top: int) -> torch.Tensor:
-    """round((x - bias) / scale) clamped to [0, top] per group (x [..., G, g]; scale 0 -> code 0)."""
-    safe = torch.where(scale == 0, torch.ones_like(scale), scale)
-    q = ((x - bias.unsqueeze(-1)) / safe.unsqueeze(-1)).round_().clamp_(0, top)
-    return torch.where((scale == 0).unsqueeze(-1), torch.zeros_like(q), q)
-
-
-def _signed_extreme(g: torch.Tensor) -> torch.Tensor:
-    """The value of largest magnitude of each group (last dim), sign kept (the first one on a tie)."""
-    idx = g.abs().argmax(dim=-1, keepdim=True)
-    return g.gather(-1, idx).squeeze(-1)
-
-
-# Method "search" (blocks of 32): each group's scale (and, asymmetric, its range) shrunk or widened by these
-# factors, every candidate rounded to float16 before its codes are chosen; the one of least (importance-weighted)
-# squared error wins. Factor 1.0 is minmax's choice, so search is never worse than minmax on a group.
-SEARCH_FACTORS = tuple(round(0.70 + 0.02 * i, 2) for i in range(21))
-
-
-def _search_32(g: torch.Tensor, kind: str, importance: Optional[torch.Tensor], name: str):
-    """(codes, d, bias) of the best candidate per group (g [R, G, 32]; importance [G, 32] or None)."""
-    t = BLOCK_TYPES[kind]
-    top = (1 << t.bits) - 1
-    lo, hi = g.amin(-1), g.amax(-1)
-    ext, amax = _signed_extreme(g), g.abs().amax(-1)
-    best = BestPerGroup()
-    for f in SEARCH_FACTORS:
-        if kind == "q8_0":
-            d = _f16(amax * f / 127.0, name)
-            bias = d * -float(t.offset)
-        elif t.symmetric:
-            d = _f16(ext * f / -float(t.offset), name)
-            bias = d * -float(t.offset)
-        else:
-            d = _f16((hi - lo) * f / float(top), name)
-            bias = _f16(lo + (hi - lo) * (1.0 - f) / 2.0, name)  # the shrunk range stays centred
-        q = _codes(g, d, bias, top)
-        e = (q * d.unsqueeze(-1) + bias.unsqueeze(-1) - g).square_()
-        best.offer((e if importance is None else e * importance).sum(-1), q, d, bias)
-    return best.chosen(name)
-
-
-def _round_away(v: torch.Tensor) -> torch.Tensor:
-    """roundf: half away from zero, as floor(a) + floor(2 (a - floor(a))) with a = |v| (exact in float32)."""
-    a = v.abs()
-    fl = a.floor()
-    return torch.sign(v) * (fl + (2.0 * (a - fl)).floor())
-
-
-def minmax_legacy(g: torch.Tensor, kind: str, name: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """llama.cpp's reference q4_0 .. q8_0 of float32 groups g [..., 32] (gguf-py's quants.py, to the byte):
-    (codes, stored scale, stored bias). The codes are chosen against the unrounded float32 d (and min):
-    trunc(x / d + 2^(b-1) + 0.5), q*_1 trunc((x - min) / d + 0.5), q8_0 round half away from zero."""
-    t = BLOCK_TYPES[kind]
-    if kind == "q8_0":
-        d = g.abs().amax(-1) / 127.0
-    elif t.symmetric:
-        d = _signed_extreme(g) / -float(t.offset)
-    else:
-        lo = g.amin(-1)
-        d = (g.amax(-1) - lo) / float((1 << t.bits) - 1)
-    inv = torch.where(d == 0, torch.zeros_like(d), 1.0 / torch.where(d == 0, torch.ones_like(d), d)).unsqueeze(-1)
-    if kind == "q8_0":
-        q = _round_away(g * inv).add_(128.0)
-    elif t.symmetric:
-        q = (g * inv).add_(float(t.offset) + 0.5).trunc_().clamp_(0, (1 << t.bits) - 1)
-    else:
-        q = (g - lo.unsqueeze(-1)).mul_(inv).add_(0.5).trunc_().clamp_(0, (1 << t.bits) - 1)
-    scale = _f16(d, name)
-    bias = scale * -float(t.offset) if t.symmetric else _f16(lo, name)
-    return q, scale, bias
-
-
-def quantize_rows(x: torch.Tensor, kind: str, name: str = "<tensor>", method: str = "minmax",
-                  importance: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """float32 rows [R, K] (K a multiple of the block) -> (codes uint8 [R, K], scale [R, G], bias [R, G])."""
-    t = BLOCK_TYPES[kind]
-    rows, k = x.shape
-    top = (1 << t.bits) - 1
-    g = x.reshape(rows, k // t.group, t.group)
-    if method == "search":
-        imp = None if importance is None else importance.reshape(k // t.group, t.group)
-        q, d, bias = _search_32(g, kind, imp, name)
-        return q.reshape(rows, k).to(torch.uint8), d, bias
-    if t.block == 32:
-        q, d, bias = minmax_legacy(g, kind, name)
-        return q.reshape(rows, k).to(torch.uint8), d, bias
-    per = t.block // t.group  # sub-blocks per super-block
-    sub = g.reshape(rows, k // t.block, per, t.group)
-    if kind == "q6_k":
-        s = _signed_extreme(sub) / -float(t.offset)  # [R, S, 16] sub-block scales, signed
-        d = _f16(_signed_extreme(s) / -128.0, name)  # [R, S]
-        sc = torch.where(d.unsqueeze(-1) == 0, torch.zeros_like(s),
-                         (s / torch.where(d == 0, torch.ones_like(d), d).unsqueeze(-1)).round().clamp(-128, 127))
-        scale = d.unsqueeze(-1) * sc
-        bias = scale * -float(t.offset)
-    else:
-        lo = sub.amin(-1).clamp(max=0.0)
-        s = (sub.amax(-1) - lo) / float(top)  # [R, S, 8] >= 0
-        d = _f16(s.amax(-1) / 63.0, name)
-        dmin = _f16((-lo).amax(-1) / 63.0, name)
-        sc = _int_ratio(s, d, 63)
-        mn = _int_ratio(-lo, dmin, 63)
-        scale = d.unsqueeze(-1) * sc
-        bias = 0.0 - dmin.unsqueeze(-1) * mn
-    q = _codes(sub, scale, bias, top)
-    return (q.reshape(rows, k).to(torch.uint8), scale.reshape(rows, -1).contiguous(),
-            bias.reshape(rows, -1).contiguous())
-
-
-def _int_ratio(v: torch.Tensor, d: torch.Tensor, top: int) -> torch.Tensor:
-    """round(v / d) clamped to [0, top], 0 where d == 0 (v [..., S, n], d [..., S])."""
-    safe = torch.where(d == 0, torch.ones_like(d), d).unsqueeze(-1)
-    r = (v / safe).round().clamp(0, top)
-    return torch.where(d.unsqueeze(-1) == 0, torch.zeros_like(r), r)
 
 
 def quantize(w: torch.Tensor, kind: str, *, name: str = "<tensor>", method: str = "minmax",
              importance: Optional[torch.Tensor] = None) -> GroupQuantizedWeight:
-    """A 1-D, 2-D or 3-D float weight -> the canonical weight of block type `kind` (method minmax or, for the
-    blocks of 32, search; importance: positive weights [K] for search's error, see module doc)."""
+    """A 1-D, 2-D or 3-D float weight -> the canonical weight of block type `kind` (method minmax,
+    search or hqq; importance: positive weights [K] weighting search's and hqq's error, see gguf_fit)."""
     t = BLOCK_TYPES[kind]
     if w.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"{name}: expected a float32/bfloat16/float16 weight, got dtype {w.dtype}")
@@ -252,7 +81,7 @@ def _factor(v: torch.Tensor, lo: int, hi: int) -> Optional[Tuple[torch.Tensor, t
     n_rows = v.shape[0]
     d_out = torch.zeros(n_rows, dtype=torch.float32)
     c_out = torch.zeros_like(v)
-    vmax = _signed_extreme(v)
+    vmax = signed_extreme(v)
     todo = vmax != 0
     for c in list(range(lo, 0)) + list(range(hi, 0, -1)):  # ggml's own choice first (-128 for Q6_K, 63 else)
         if not bool(todo.any()):
@@ -375,8 +204,8 @@ class GGUFQuantFormat(Format):
     family = "gguf-quant"
     names = tuple(BLOCK_TYPES)
     has_quantized_module = True
-    methods = ("minmax", "search")
-    importance_methods = ("search",)
+    methods = METHODS
+    importance_methods = ("search", "hqq")
     config_fields = ("bits", "group_size", "symmetric")
 
     def default_config(self, name: str) -> Dict[str, Any]:
@@ -385,9 +214,6 @@ class GGUFQuantFormat(Format):
 
     def validate_config(self, config: Any) -> None:
         t = BLOCK_TYPES[config.format]
-        if config.method == "search" and t.block != 32:
-            raise ValueError(f"format {config.format!r}: method 'search' is implemented for the blocks of 32 "
-                             "(q4_0 .. q8_0); the K-quants take minmax")
         if (config.bits, config.group_size, config.symmetric) != (t.bits, t.group, t.symmetric):
             raise ValueError(f"format {config.format!r} ({t.ggml}) is bits={t.bits}, group_size={t.group}, "
                              f"symmetric={t.symmetric}; got bits={config.bits}, group_size={config.group_size}, "
