@@ -1,10 +1,10 @@
 """The GGUF backend (--backend=gguf): the quantized stream -> `<out>/model.gguf`, one file llama.cpp runs.
 
 Integer weights are written as the GGUF block type whose arithmetic they are, exactly
-(llmq.quant.formats.gguf_quant.encode_blocks): the recipe's formats q4_0 .. q6_k, and -- through
+(llmq.quant.formats.gguf_quant.encode_blocks): the recipe's formats q4_0 .. q8_0 and q2_k .. q6_k, and -- through
 `recipe_for` -- llmq's "int" configs that have a block type (4- and 5-bit groups of 32: q4_0 / q5_0
-symmetric, q4_1 / q5_1 asymmetric; 8-bit symmetric groups of 32: q8_0; 6-bit symmetric groups of 16:
-q6_k), quantized under its constraints (float16 d and m). A GGUF input's weights, imported exactly,
+symmetric, q4_1 / q5_1 asymmetric; 8-bit symmetric groups of 32: q8_0; 6-bit and 3-bit symmetric groups of
+16: q6_k, q3_k; 2-bit asymmetric groups of 16: q2_k), quantized under its constraints (float16 d and m). A GGUF input's weights, imported exactly,
 go back to a block type holding the same values. Tensors kept in high precision are written in the
 dtype they arrive in (F32 / F16 / BF16; 1-D tensors F32, as llama.cpp's converter writes them).
 
@@ -33,14 +33,16 @@ from llmq.quant.formats.gguf_quant import BLOCK_TYPES, NotExact, encode_blocks
 FILE_NAME = "model.gguf"
 # llmq "int" config (bits, group size, symmetric) -> the block format of the same arithmetic
 _INT_AS_BLOCK = {(4, 32, True): "q4_0", (4, 32, False): "q4_1", (5, 32, True): "q5_0", (5, 32, False): "q5_1",
-                 (8, 32, True): "q8_0", (6, 16, True): "q6_k"}
+                 (8, 32, True): "q8_0", (6, 16, True): "q6_k", (3, 16, True): "q3_k", (2, 16, False): "q2_k"}
 # (bits, group size) of a canonical weight -> the block types that may hold it, smallest file first
 _CANDIDATES = {(4, 32): ("q4_0", "q4_k", "q4_1"), (5, 32): ("q5_0", "q5_k", "q5_1"), (8, 32): ("q8_0",),
-               (6, 16): ("q6_k",)}
+               (6, 16): ("q6_k",), (2, 16): ("q2_k",), (3, 16): ("q3_k",)}
 _FILE_TYPE = {"q4_0": "MOSTLY_Q4_0", "q4_1": "MOSTLY_Q4_1", "q5_0": "MOSTLY_Q5_0", "q5_1": "MOSTLY_Q5_1",
-              "q8_0": "MOSTLY_Q8_0", "q4_k": "MOSTLY_Q4_K_M", "q5_k": "MOSTLY_Q5_K_M", "q6_k": "MOSTLY_Q6_K"}
+              "q8_0": "MOSTLY_Q8_0", "q2_k": "MOSTLY_Q2_K", "q3_k": "MOSTLY_Q3_K_M", "q4_k": "MOSTLY_Q4_K_M",
+              "q5_k": "MOSTLY_Q5_K_M", "q6_k": "MOSTLY_Q6_K"}
 _HOLDS = ("4- or 5-bit groups of 32 (q4_0/q5_0 symmetric, q4_1/q5_1 asymmetric), 8-bit symmetric groups of 32 "
-          "(q8_0), 6-bit symmetric groups of 16 (q6_k), or the formats q4_0 .. q6_k")
+          "(q8_0), 6-bit symmetric (q6_k), 3-bit symmetric (q3_k) and 2-bit asymmetric (q2_k) groups of 16, or the "
+          "formats q4_0 .. q8_0, q2_k .. q6_k")
 
 
 def recipe_as_blocks(recipe: QuantRecipe) -> QuantRecipe:
@@ -144,7 +146,7 @@ class GGUFBackend(Backend):
     """--backend=gguf (see the module docstring)."""
 
     name = "gguf"
-    description = ("one .gguf file llama.cpp runs: GGUF block types (Q4_0..Q8_0, Q4_K, Q5_K, Q6_K) holding "
+    description = ("one .gguf file llama.cpp runs: GGUF block types (Q4_0..Q8_0, Q2_K..Q6_K) holding "
                    "llmq's integer weights exactly, kept tensors F32/F16/BF16")
     accepts_formats = tuple(BLOCK_TYPES)
     takes_float = False

@@ -88,6 +88,8 @@ BLOCK_TYPES: Dict[str, BlockType] = {
     "q5_0": BlockType("Q5_0", 5, 32, 32, True),
     "q5_1": BlockType("Q5_1", 5, 32, 32, False),
     "q8_0": BlockType("Q8_0", 8, 32, 32, True),
+    "q2_k": BlockType("Q2_K", 2, 16, 256, False, (0, 15), 15),
+    "q3_k": BlockType("Q3_K", 3, 16, 256, True, (-32, 31)),
     "q4_k": BlockType("Q4_K", 4, 32, 256, False, (0, 63), 63),
     "q5_k": BlockType("Q5_K", 5, 32, 256, False, (0, 63), 63),
     "q6_k": BlockType("Q6_K", 6, 16, 256, True, (-128, 127)),

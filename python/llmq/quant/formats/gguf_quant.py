@@ -1,8 +1,9 @@
 """Format family "gguf-quant": llmq quantizers that produce GGUF (llama.cpp) block types exactly.
 
-A recipe may name q4_0, q4_1, q5_0, q5_1, q8_0 (blocks of 32) and the K-quants q4_k, q5_k (super-blocks
-of 256: eight sub-blocks of 32 with 6-bit scales and mins) and q6_k (sixteen sub-blocks of 16 with int8
-scales). The quantized weight is the ordinary canonical GroupQuantizedWeight ("int": unsigned q, float32
+A recipe may name q4_0, q4_1, q5_0, q5_1, q8_0 (blocks of 32) and the K-quants q2_k (super-blocks of
+256: sixteen sub-blocks of 16 with 4-bit scales and mins), q3_k (sixteen sub-blocks of 16 with signed 6-bit
+scales), q4_k, q5_k (eight sub-blocks of 32 with 6-bit scales and mins) and q6_k (sixteen sub-blocks of 16
+with int8 scales). The quantized weight is the ordinary canonical GroupQuantizedWeight ("int": unsigned q, float32
 scale, additive bias; everything downstream reads it unchanged), chosen under the block type's
 constraints so that it *is* a GGUF block bit for bit. The table of what each type stores, and the
 methods (minmax: llama.cpp's reference rounding, byte for byte for the blocks of 32; search; hqq; the
@@ -115,6 +116,22 @@ def _nibbles(q: np.ndarray, chunk: int) -> np.ndarray:
     return (c[:, :, 0, :] | (c[:, :, 1, :] << 4)).reshape(n_rows, n // 2).astype(np.uint8)
 
 
+def _two_bit_fields(q: np.ndarray) -> np.ndarray:
+    """Codes [N, 256] (low 2 bits used) -> Q2_K/Q3_K's 64 bytes: per half of 128 elements (32 bytes), bits
+    2s..2s+1 of byte j hold element 128 h + 32 s + j."""
+    f = (q & 3).astype(np.uint8).reshape(q.shape[0], 2, 4, 32)
+    return np.bitwise_or.reduce([f[:, :, s, :] << (2 * s) for s in range(4)]).astype(np.uint8).reshape(q.shape[0], 64)
+
+
+def _q3_k_scales_bytes(u: np.ndarray) -> np.ndarray:
+    """Sixteen unsigned 6-bit scales per block [N, 16] -> Q3_K's 12 bytes: bytes 0-7 hold the low nibbles of
+    scales 0-7 (low) and 8-15 (high), bytes 8-11 the top two bits of scale 4 t + b at shift 2 t of byte b."""
+    u = u.astype(np.uint8)
+    low = (u[:, 0:8] & 0x0F) | ((u[:, 8:16] & 0x0F) << 4)
+    top = np.bitwise_or.reduce([((u[:, 4 * t:4 * t + 4] >> 4) & 3) << (2 * t) for t in range(4)])
+    return np.concatenate([low, top], axis=1).astype(np.uint8)
+
+
 def _bit_planes(bits: np.ndarray) -> np.ndarray:
     """bits [N, 32 * m] (0/1) -> bytes [N, 32]: bit i of byte j is bits[32 i + j] (m <= 8 planes)."""
     n_rows, n = bits.shape
@@ -176,13 +193,29 @@ def encode_blocks(kind: str, w: GroupQuantizedWeight, *, name: str = "<tensor>")
         return np.concatenate([ql, qh, sc.numpy().astype(np.int8).view(np.uint8), _half_bytes(d.numpy())],
                               axis=1).reshape(*lead, -1)
 
-    fs = _factor(scale, 0, 63)
-    fm = _factor(0.0 - bias, 0, 63)
+    if kind == "q3_k":
+        if not torch.equal(bias, scale * -4.0):
+            refuse("a bias is not -4 * scale")
+        f = _factor(scale, -32, 31)
+        if f is None:
+            refuse("the sub-block scales are not one float16 d times integers in -32..31")
+        d, sc = f
+        hmask = _bit_planes(q >> 2)  # bit i of byte j: the high bit of element 32 i + j
+        return np.concatenate([hmask, _two_bit_fields(q), _q3_k_scales_bytes(sc.numpy().astype(np.int16) + 32),
+                               _half_bytes(d.numpy())], axis=1).reshape(*lead, -1)
+
+    top = t.sub[1]
+    fs = _factor(scale, 0, top)
+    fm = _factor(0.0 - bias, 0, top)
     if fs is None:
-        refuse("the sub-block scales are not one float16 d times 6-bit integers")
+        refuse(f"the sub-block scales are not one float16 d times integers in 0..{top}")
     if fm is None:
-        refuse("the sub-block biases are not one float16 -dmin times 6-bit integers")
+        refuse(f"the sub-block biases are not one float16 -dmin times integers in 0..{top}")
     (d, sc), (dmin, mn) = fs, fm
+    if kind == "q2_k":  # scales (low nibble) and mins (high) per sub-block, 2-bit fields, d, dmin
+        packed = (sc.numpy().astype(np.uint8) | (mn.numpy().astype(np.uint8) << 4)).astype(np.uint8)
+        return np.concatenate([packed, _two_bit_fields(q), _half_bytes(d.numpy()), _half_bytes(dmin.numpy())],
+                              axis=1).reshape(*lead, -1)
     parts = [_half_bytes(d.numpy()), _half_bytes(dmin.numpy()),
              _k_scales_bytes(sc.numpy().astype(np.uint8), mn.numpy().astype(np.uint8))]
     if kind == "q5_k":
