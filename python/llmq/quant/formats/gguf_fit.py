@@ -97,10 +97,10 @@ BLOCK_TYPES: Dict[str, BlockType] = {
 METHODS = ("minmax", "search", "hqq")
 
 # "search": the min-max scale times each factor (1.0, minmax's own, first), every candidate refitted REFITS times.
-SEARCH_FACTORS = (1.0,) + tuple(round(0.60 + 0.025 * i, 3) for i in range(25) if round(0.60 + 0.025 * i, 3) != 1.0)
+SEARCH_FACTORS = (1.0,) + tuple(round(0.70 + 0.025 * i, 3) for i in range(17) if i != 12)
 REFITS = 2
-# K-quants: the super-block's d (and dmin) times each factor, each tried with every sub-block integer floor / ceil.
-SUPER_FACTORS = (1.0, 0.96, 0.98, 1.02, 1.04)
+# K-quants: the super-block's (d, dmin) times each pair of factors, each tried with every sub-block integer floor / ceil.
+SUPER_FACTORS = ((1.0, 1.0), (0.97, 1.0), (1.03, 1.0), (1.0, 0.97), (1.0, 1.03))
 
 
 def f16(x: torch.Tensor, name: str) -> torch.Tensor:
@@ -225,7 +225,7 @@ def _search_float(g: torch.Tensor, t: BlockType, a: Optional[torch.Tensor]) -> T
     """Method "search" before storing: each group's best refitted candidate (float scale, bias)."""
     s0, b0 = _minmax_float(g, t)
     hi = g.amax(-1)
-    best_err = best_s = best_b = None
+    best = _Least()
     for f in SEARCH_FACTORS:
         s = s0 * f
         b = s * -float(t.offset) if t.symmetric else b0 + (hi - b0 - s * float(t.top)) / 2.0  # centred
@@ -233,13 +233,8 @@ def _search_float(g: torch.Tensor, t: BlockType, a: Optional[torch.Tensor]) -> T
             b = b.clamp(max=0.0)
         for _ in range(REFITS):
             s, b = refit(g, codes(g, s, b, t.top), s, b, t, a)
-        err = group_error(g, codes(g, s, b, t.top), s, b, a)
-        if best_err is None:
-            best_err, best_s, best_b = err, s, b
-            continue
-        win = err < best_err
-        best_err, best_s, best_b = torch.where(win, err, best_err), torch.where(win, s, best_s), torch.where(win, b, best_b)
-    return best_s, best_b
+        best.offer(group_error(g, codes(g, s, b, t.top), s, b, a), s, b)
+    return best.values[0], best.values[1]
 
 
 def _hqq_float(g: torch.Tensor, t: BlockType, a: Optional[torch.Tensor],
@@ -284,6 +279,24 @@ def _hqq_float(g: torch.Tensor, t: BlockType, a: Optional[torch.Tensor],
     return best_s, best_s * -off
 
 
+class _Least:
+    """The least-error candidate so far at each position of its error tensor (the earlier one on a tie); its
+    values may have trailing dimensions beyond the error's."""
+
+    def __init__(self) -> None:
+        self.err: Optional[torch.Tensor] = None
+        self.values: Tuple[torch.Tensor, ...] = ()
+
+    def offer(self, err: torch.Tensor, *values: torch.Tensor) -> None:
+        if self.err is None:
+            self.err, self.values = err, values
+            return
+        win = err < self.err
+        self.err = torch.where(win, err, self.err)
+        self.values = tuple(torch.where(win.reshape(win.shape + (1,) * (v.dim() - win.dim())), v, old)
+                            for v, old in zip(values, self.values))
+
+
 def _float_params(g, t, method, a, scale_dtype):
     if method == "search":
         return _search_float(g, t, a)
@@ -314,7 +327,8 @@ def _store_k(sub: torch.Tensor, s: torch.Tensor, b: torch.Tensor, t: BlockType, 
              name: str, exact: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     """Sub-block float (s, b) [R, B, S] -> the stored (scale, bias) [R, B, S] of sub [R, B, S, g].
     exact=False: llama.cpp's rule (d from the largest, each integer rounded); True: the least stored error
-    over SUPER_FACTORS x (floor, ceil) per sub-block, the best d (dmin) per super-block."""
+    over SUPER_FACTORS, the best (d, dmin) per super-block, each sub-block's integers floor or ceil."""
+    assert t.sub is not None
     lo, hi = t.sub
     off = float(t.offset)
     if t.symmetric:
@@ -323,34 +337,26 @@ def _store_k(sub: torch.Tensor, s: torch.Tensor, b: torch.Tensor, t: BlockType, 
     else:
         d0 = s.amax(-1) / float(hi)
         dmin0 = (-b).amax(-1) / float(t.mins)
-    best_err = best_scale = best_bias = None
-    factors = SUPER_FACTORS if exact else (1.0,)
-    for fd in factors:
-        for fm in (factors if dmin0 is not None else (1.0,)):
-            d = f16(d0 * fd, name)
-            dmin = None if dmin0 is None else f16(dmin0 * fm, name)
-            scs = _ratio_candidates(s, d, lo, hi, exact)
-            mns = [None] if dmin is None else _ratio_candidates(-b, dmin, 0, t.mins, exact)
-            sub_err = sub_scale = sub_bias = None
-            for sc in scs:
-                for mn in mns:
-                    scale = d.unsqueeze(-1) * sc
-                    bias = scale * -off if dmin is None else 0.0 - dmin.unsqueeze(-1) * mn
-                    err = group_error(sub, codes(sub, scale, bias, t.top), scale, bias, a)
-                    if sub_err is None:
-                        sub_err, sub_scale, sub_bias = err, scale, bias
-                        continue
-                    win = err < sub_err
-                    sub_err = torch.where(win, err, sub_err)
-                    sub_scale, sub_bias = torch.where(win, scale, sub_scale), torch.where(win, bias, sub_bias)
-            tot = sub_err.sum(-1)
-            if best_err is None:
-                best_err, best_scale, best_bias = tot, sub_scale, sub_bias
+    best = _Least()
+    factors = SUPER_FACTORS if exact else ((1.0, 1.0),)
+    for fd, fm in factors:
+        if dmin0 is None and fm != 1.0:
+            continue
+        d = f16(d0 * fd, name)
+        dmin = None if dmin0 is None else f16(dmin0 * fm, name)
+        per_sub = _Least()
+        for sc in _ratio_candidates(s, d, lo, hi, exact):
+            scale = d.unsqueeze(-1) * sc
+            if dmin is None:
+                per_sub.offer(group_error(sub, codes(sub, scale, scale * -off, t.top), scale, scale * -off, a),
+                              scale, scale * -off)
                 continue
-            win = (tot < best_err).unsqueeze(-1)
-            best_err = torch.minimum(tot, best_err)
-            best_scale, best_bias = torch.where(win, sub_scale, best_scale), torch.where(win, sub_bias, best_bias)
-    return best_scale, best_bias
+            for mn in _ratio_candidates(-b, dmin, 0, t.mins, exact):
+                bias = 0.0 - dmin.unsqueeze(-1) * mn
+                per_sub.offer(group_error(sub, codes(sub, scale, bias, t.top), scale, bias, a), scale, bias)
+        assert per_sub.err is not None
+        best.offer(per_sub.err.sum(-1), *per_sub.values)
+    return best.values[0], best.values[1]
 
 
 # --------------------------------------------------------------------------------------------

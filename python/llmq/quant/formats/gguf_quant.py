@@ -204,6 +204,7 @@ def encode_blocks(kind: str, w: GroupQuantizedWeight, *, name: str = "<tensor>")
         return np.concatenate([hmask, _two_bit_fields(q), _q3_k_scales_bytes(sc.numpy().astype(np.int16) + 32),
                                _half_bytes(d.numpy())], axis=1).reshape(*lead, -1)
 
+    assert t.sub is not None
     top = t.sub[1]
     fs = _factor(scale, 0, top)
     fm = _factor(0.0 - bias, 0, top)
