@@ -52,7 +52,8 @@ flags.DEFINE_string("calibration_text", None, "A UTF-8 text file (not the text y
                     "weights the error that methods 'hqq' and 'search' and --budget_bits_per_weight minimise, and the error report "
                     "gains each layer's output error. Without it every method is calibration-free.")
 flags.DEFINE_integer("calibration_tokens", 512, "Tokens of --calibration_text to run.", lower_bound=2)
-flags.DEFINE_float("budget_bits_per_weight", None, "Choose per matrix among 3/4/5/6/8-bit integer formats so the "
+flags.DEFINE_float("budget_bits_per_weight", None, "Choose per matrix among 3/4/5/6/8-bit integer formats "
+                   "(--backend=gguf: its block types Q2_K .. Q8_0; rows not a multiple of 256 take Q4_0 .. Q8_0) so the "
                    "matrices the recipe quantizes fit this many bits per weight as --backend writes them (scales and biases "
                    "included: the bundle's float32 pair, an MLX folder's 16-bit pair) with the "
                    "smallest (importance-weighted) error; the choice is written to <out>/budget_recipe.json, an "

@@ -185,3 +185,42 @@ def test_model_without_gguf_export_is_refused(tmp_path):
     job = WriteJob(out=str(tmp_path / "out"), recipe=None, recipe_name="int4", architecture="other")
     with pytest.raises(BackendError, match="^--backend gguf: no GGUF export for other "):
         GGUFBackend().check(job)
+
+
+@pytest.mark.parametrize("budget", [4.8, 6.0])
+def test_budget_chooses_block_types_and_counts_the_files_bits(tmp_path, budget):
+    """--backend=gguf --budget_bits_per_weight: per matrix a block type among Q2_K .. Q8_0 (K-quants only where the
+    rows are a multiple of 256: the tiny Gemma 3's down_proj), the file's blocks fit the budget, and the summary's
+    bits per weight are the GGUF's quantized tensors' bytes x 8 / their weights, read by gguf-py."""
+    checkpoint = write_default_checkpoint(GEMMA3, str(tmp_path / "ckpt"))
+    result = run(GEMMA3, checkpoint=checkpoint, recipe="int4", backend="gguf", out=str(tmp_path / "out"), resume=True,
+                 max_shard_size=1 << 20, verify=True, seed=0, progress=False, budget_bits_per_weight=budget,
+                 budget_method="search")
+    assert result["verification_failure"] is None
+    reader = gguf.GGUFReader(str(tmp_path / "out" / "model.gguf"))
+    quantized = [t for t in reader.tensors if t.tensor_type.name.startswith("Q")]
+    disk_bits = 8 * sum(int(t.n_bytes) for t in quantized)
+    weights = sum(int(t.n_elements) for t in quantized)
+    assert weights == result["quantized_weights"]
+    assert result["bits_per_weight"] == disk_bits / weights == result["budget"].bits_per_weight <= budget
+    assert result["bits_per_weight"] > budget - 0.5  # the budget is spent, not left idle
+    types = {t.name: t.tensor_type.name for t in quantized}
+    assert len(set(types.values())) >= 2
+    for name, t in types.items():  # rows of 128 cannot take a K-quant
+        k = int(next(x for x in reader.tensors if x.name == name).shape[0])
+        assert k % 256 == 0 or not t.endswith("_K"), (name, t)
+    chosen = json.loads((tmp_path / "out" / "budget_recipe.json").read_text())
+    assert {r["config"]["format"] for r in chosen["rules"]} <= set(GGUFBackend().accepts_formats)
+
+
+def test_budget_refuses_a_matrix_no_block_type_holds(tmp_path):
+    import torch
+
+    from llmq.backend import storage_of
+    from llmq.quant.budget import measure_options
+
+    backend = GGUFBackend()
+    with pytest.raises(ValueError) as e:
+        measure_options("m.w", torch.randn(4, 48), backend.budget_options(), storage=storage_of(backend))
+    assert str(e.value).startswith("m.w: none of the candidate formats holds its shape [4, 48]: ")
+    assert "q4_0 (Q4_0) needs rows of a multiple of 32 elements, got K=48" in str(e.value) and "\n" not in str(e.value)

@@ -173,13 +173,14 @@ def run(arch: Architecture, *, checkpoint: Optional[str], recipe: Optional[str],
         recipe_label = recipe_name
         budget = None
         if budget_bits_per_weight is not None:
-            if "int" not in writer.accepts_formats:  # the candidates are integer formats
+            budget_options = writer.budget_options()
+            if not budget_options:  # the candidates are integer formats
                 raise UsageError(f"--budget_bits_per_weight: --backend {backend} writes no integer format "
                                  f"(it takes {', '.join(writer.accepts_formats)})")
             print(f"budget: measuring every candidate format of every matrix ({budget_method}; "
                   f"{budget_bits_per_weight} bits per weight)", flush=True)
             budget = choose_recipe(model_stream, quant_recipe, arch.num_layers(config), budget_bits_per_weight,
-                                   budget_method, calibration, storage=storage)
+                                   budget_method, calibration, storage=storage, options=budget_options)
             try:
                 quant_recipe = getattr(writer, "recipe_for", lambda r: r)(budget.recipe)
                 quant_recipe.check_formats(writer.accepts_formats, f"--backend {backend}")
@@ -334,8 +335,8 @@ def _written_bits(recipe: QuantRecipe, storage):
     def bits(name, value):
         module = quantizable_module(name)
         config = recipe.get_config(module) if module is not None else None
-        if isinstance(value, GroupQuantizedWeight) and (
-                config is None or config.format != "int" or config.bits != value.bits
+        if isinstance(value, GroupQuantizedWeight) and (  # (an "int" config, or a GGUF block format's: q4_k ...)
+                config is None or config.bits != value.bits
                 or config.group_size_for(value.shape[-1]) != value.group_size):
             half = 1 << (value.bits - 1)
             config = QuantConfig(bits=value.bits, group_size=value.group_size,

@@ -4,8 +4,11 @@ weight error smallest while everything the recipe quantizes fits the budget
 
 Which matrices: those the run's recipe (--recipe, or the model's default) quantizes and that
 arrive as float tensors (a GGUF's quantized blocks are kept as they are and not counted). The
-candidates: `llmq.quant.budget.DEFAULT_OPTIONS` (3, 4, 5, 6, 8 bits, groups of 32 and 4-bit
-groups of 128, asymmetric) with --budget_method; bits are counted as the run's backend writes them
+candidates: the backend's `budget_options` (`llmq.quant.budget.DEFAULT_OPTIONS`: 3, 4, 5, 6, 8 bits,
+groups of 32 and 4-bit groups of 128, asymmetric; --backend=gguf: its block types q2_k .. q8_0) with
+--budget_method; a matrix takes only the candidates its shape allows (a K-quant needs rows of a multiple
+of 256: the others choose among the blocks of 32, one line says how many); a matrix no candidate holds is
+refused in one line; bits are counted as the run's backend writes them
 (its `storage` declaration: an MLX folder's 16-bit scale and bias per group, the bundle's float32
 pair), and each candidate is quantized with the scale dtype it writes. With --calibration_text the errors are weighted
 by each layer's importance. Each option's error is relative to its matrix's (weighted) energy, about
@@ -17,12 +20,12 @@ numbers are kept); the quantizing pass then reads the input again.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
 from llmq.quant import QuantRecipe
-from llmq.quant.budget import DEFAULT_OPTIONS, Option, budget_recipe, choose, measure_options, summarize
+from llmq.quant.budget import DEFAULT_OPTIONS, Option, budget_recipe, choose, measure_options, shape_problem, summarize
 from llmq.quant.importance import Calibration
 from llmq.quant.storage import CANONICAL, Storage
 from models.pipeline.arch import quantizable_module
@@ -39,15 +42,17 @@ class BudgetChoice:
     counts: Dict[str, int]  # config description -> how many matrices took it
 
 
-def candidates(method: str):
-    return tuple(dataclasses.replace(c, method=method) for c in DEFAULT_OPTIONS)
+def candidates(method: str, options: Sequence[Any] = DEFAULT_OPTIONS):
+    return tuple(dataclasses.replace(c, method=method) for c in options)
 
 
 def choose_recipe(stream: Callable, base: QuantRecipe, num_layers: int, budget_bits_per_weight: float, method: str,
                   calibration: Optional[Calibration] = None,
-                  storage: Callable[[Any], Storage] = lambda config: CANONICAL) -> BudgetChoice:
+                  storage: Callable[[Any], Storage] = lambda config: CANONICAL,
+                  options: Sequence[Any] = DEFAULT_OPTIONS) -> BudgetChoice:
     bound = base.bind(num_layers)
-    configs = candidates(method)
+    configs = candidates(method, options)
+    narrowed: Dict[str, List[str]] = {}  # "what it cannot take" -> the matrices a candidate's shape check left out
     options: Dict[str, List[Option]] = {}
     numel: Dict[str, int] = {}
     modules: Dict[str, str] = {}
@@ -62,6 +67,12 @@ def choose_recipe(stream: Callable, base: QuantRecipe, num_layers: int, budget_b
             raise UsageError(f"--budget_bits_per_weight: {e}") from None
         numel[fqn] = value.numel()
         modules[fqn] = module
+        left_out = sorted({c.format for c in configs if shape_problem(c, tuple(value.shape)) is not None})
+        if left_out:
+            narrowed.setdefault(", ".join(left_out), []).append(f"{fqn} {list(value.shape)}")
+    for formats, names in narrowed.items():
+        print(f"budget: {len(names)} matrices cannot take {formats} (their rows, e.g. {names[0]}, are not whole "
+              f"blocks of them): they choose among the other candidates", flush=True)
     if not options:
         raise UsageError("--budget_bits_per_weight: the recipe quantizes no float matrix of this checkpoint; "
                          "nothing to choose formats for")

@@ -122,6 +122,9 @@ class Backend:
       `checks_consumer`, load the folder as its consumer does and compare its logits for `prompt`
       [1, T] with our unquantized (`reference`) and reloaded (`quantized`) models; the dict may hold
       "failure" (one line).
+    - budget_options() -> configs (llmq.quant.budget.DEFAULT_OPTIONS where it accepts "int", else none): the
+      candidates --budget_bits_per_weight chooses among per matrix (each with --budget_method); none: the
+      backend takes no budget.
     - recipe_for(recipe) -> recipe (the recipe unchanged): the recipe in the formats this backend
       stores, called first on the recipe as loaded (ValueError for a rule it cannot hold).
     """
@@ -138,6 +141,12 @@ class Backend:
     def recipe_for(self, recipe: Any) -> Any:
         """The recipe in the formats this backend stores (ValueError for a rule it cannot hold)."""
         return recipe
+
+    def budget_options(self) -> Tuple[Any, ...]:
+        """The QuantConfigs --budget_bits_per_weight chooses among (method set by --budget_method); () for none."""
+        from llmq.quant.budget import DEFAULT_OPTIONS
+
+        return DEFAULT_OPTIONS if "int" in self.accepts_formats else ()
 
     def check(self, job: WriteJob) -> None:
         """Raise BackendError (one line) for a job this backend cannot write; called before any work."""

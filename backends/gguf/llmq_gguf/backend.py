@@ -1,12 +1,14 @@
 """The GGUF backend (--backend=gguf): the quantized stream -> `<out>/model.gguf`, one file llama.cpp runs.
 
 Integer weights are written as the GGUF block type whose arithmetic they are, exactly
-(llmq.quant.formats.gguf_quant.encode_blocks): the recipe's formats q4_0 .. q8_0 and q2_k .. q6_k, and -- through
-`recipe_for` -- llmq's "int" configs that have a block type (4- and 5-bit groups of 32: q4_0 / q5_0
-symmetric, q4_1 / q5_1 asymmetric; 8-bit symmetric groups of 32: q8_0; 6-bit and 3-bit symmetric groups of
-16: q6_k, q3_k; 2-bit asymmetric groups of 16: q2_k), quantized under its constraints (float16 d and m). A GGUF input's weights, imported exactly,
-go back to a block type holding the same values. Tensors kept in high precision are written in the
-dtype they arrive in (F32 / F16 / BF16; 1-D tensors F32, as llama.cpp's converter writes them).
+(llmq.quant.formats.gguf_quant.encode_blocks): the recipe's formats q4_0 .. q8_0 and q2_k .. q6_k,
+and -- through `recipe_for` -- llmq's "int" configs that have a block type (4- and 5-bit groups of 32:
+q4_0 / q5_0 symmetric, q4_1 / q5_1 asymmetric; 8-bit symmetric groups of 32: q8_0; 6-bit and 3-bit
+symmetric groups of 16: q6_k, q3_k; 2-bit asymmetric groups of 16: q2_k), quantized under its
+constraints (float16 d and m). --budget_bits_per_weight chooses per matrix among all these block types
+(`budget_options`). A GGUF input's weights, imported exactly, go back to a block type holding the same
+values. Tensors kept in high precision are written in the dtype they arrive in (F32 / F16 / BF16; 1-D
+tensors F32, as llama.cpp's converter writes them).
 
 Names and llama.cpp's value transforms come from the model through the WriteJob (job.to_gguf; the
 table the model's GGUF import reads). Metadata: a GGUF input's keys are all carried over
@@ -156,6 +158,12 @@ class GGUFBackend(Backend):
 
     def recipe_for(self, recipe: QuantRecipe) -> QuantRecipe:
         return recipe_as_blocks(recipe)
+
+    def budget_options(self) -> Tuple[QuantConfig, ...]:
+        """Every block type, q2_k .. q8_0, each counted at its blocks' bytes (`storage`); a matrix whose rows are
+        not a multiple of 256 takes only the blocks of 32 (q4_0 .. q8_0), the K-quants' shape check says so."""
+        return tuple(QuantConfig(format=k, bits=t.bits, group_size=t.group, symmetric=t.symmetric)
+                     for k, t in BLOCK_TYPES.items())
 
     def storage(self, config: Any, job: Optional[WriteJob]):
         """One uint8 tensor of blocks (gguf.GGML_QUANT_SIZES: scales and mins included) per weight, of the block

@@ -25,6 +25,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
+from llmq.quant.formats import get_format
 from llmq.quant.quantize import dequantize, quantize_weight, takes_importance
 from llmq.quant.recipe import QuantConfig, QuantRecipe, QuantRule
 from llmq.quant.storage import CANONICAL, Storage
@@ -60,7 +61,8 @@ def weight_error(w: torch.Tensor, approx: torch.Tensor, importance: Optional[tor
 def measure_options(name: str, w: torch.Tensor, configs: Sequence[QuantConfig] = DEFAULT_OPTIONS,
                     importance: Optional[torch.Tensor] = None, relative: bool = False,
                     storage: Callable[[QuantConfig], Storage] = lambda config: CANONICAL) -> List[Option]:
-    """Every config that can hold `w` (its group size divides K), with the bits `storage` writes
+    """Every config that can hold `w` (its format's `shape_problem` is None: e.g. the group size divides K, a
+    GGUF K-quant's 256 divides K), with the bits `storage` writes
     for it and its error; each config takes the scale dtype its storage writes.
 
     relative: the error divided by the (equally weighted) energy of `w`, sum(a_j w_ij^2): with
@@ -71,8 +73,7 @@ def measure_options(name: str, w: torch.Tensor, configs: Sequence[QuantConfig] =
                          "(one value per input column)")
     options = []
     for config in configs:
-        gs = config.group_size_for(w.shape[-1])
-        if gs <= 0 or w.shape[-1] % gs:
+        if shape_problem(config, tuple(w.shape)) is not None:
             continue
         # method "hqq" minimises the importance-weighted error itself; the others only get measured by it
         stored = storage(config)
@@ -82,11 +83,17 @@ def measure_options(name: str, w: torch.Tensor, configs: Sequence[QuantConfig] =
         options.append(Option(config, stored.bits(tuple(w.shape), q),
                               weight_error(w, dequantize(q, torch.float32), importance)))
     if not options:
-        raise ValueError(f"{name}: none of the candidate configs fits its shape {list(w.shape)}")
+        raise ValueError(f"{name}: none of the candidate formats holds its shape {list(w.shape)}: "
+                         + "; ".join(sorted({shape_problem(c, tuple(w.shape)) or "" for c in configs})))
     energy = weight_error(w, torch.zeros_like(w, dtype=torch.float32), importance) if relative else 0.0
     if energy > 0:  # an all-zero weight is exact in every option: its errors stay 0
         options = [dataclasses.replace(o, error=o.error / energy) for o in options]
     return options
+
+
+def shape_problem(config: QuantConfig, shape: Tuple[int, ...]) -> Optional[str]:
+    """Why `config` cannot quantize a weight of `shape` (its format's `shape_problem`), or None."""
+    return get_format(config.format).shape_problem(config, shape)
 
 
 def _pick(options: List[Option], lam: float) -> int:
