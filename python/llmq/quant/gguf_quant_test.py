@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from llmq.quant import QuantConfig, quantize_weight
-from llmq.quant.formats import dequantize_canonical, gguf_quant as gq
+from llmq.quant.formats import GroupQuantizedWeight, dequantize_canonical, gguf_quant as gq
 from llmq.quant.formats.gguf_blocks import decode
 
 T = gguf.GGMLQuantizationType
@@ -166,3 +166,30 @@ def test_minmax_is_llama_cpp_reference_byte_for_byte(ggml, seed):
         row = {"Q4_0": 3, "Q5_0": 4, "Q4_1": 5, "Q5_1": 6}[ggml]
         deq = dequantize_canonical(v).view(-1, 32)[row]
         assert bool((deq[2:] - g[row, 2:] == 0.5).all())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_fit_then_round_columns_is_the_quantizer(kind):
+    """The two steps a column-wise method (GPTQ) uses: fit a run's stored parameters, then round any columns with
+    them held fixed; column by column they give the quantizer's own codes and values, and the fitted parameters
+    are ones the block stores (encode_blocks takes them)."""
+    from llmq.quant.formats import gguf_fit
+    from llmq.quant.formats.int_affine import pack_bits
+
+    t = gq.BLOCK_TYPES[kind]
+    x = torch.randn(8, 512, generator=torch.Generator().manual_seed(5)) * 0.02
+    imp = torch.rand(512, generator=torch.Generator().manual_seed(6)) + 0.05
+    for method in ("minmax", "search", "hqq"):
+        scale, bias = gguf_fit.fit(kind, x, method=method, importance=None if method == "minmax" else imp)
+        whole = gguf_fit.round_codes(kind, x, scale, bias)
+        cols = [gguf_fit.round_columns(kind, x[:, j:j + 1], scale, bias, j) for j in range(512)]
+        assert torch.equal(torch.cat([c[0] for c in cols], 1), whole)
+        v = GroupQuantizedWeight(qdata=pack_bits(whole.to(torch.uint8), t.bits), scale=scale, bias=bias, bits=t.bits,
+                                 group_size=t.group, shape=(8, 512), dtype=torch.float32)
+        assert torch.equal(torch.cat([c[1] for c in cols], 1), dequantize_canonical(v))
+        blocks = gq.encode_blocks(kind, v)
+        assert np.array_equal(gguf.quants.dequantize(blocks, T[t.ggml]), dequantize_canonical(v).numpy())
+        if method != "minmax" or t.sub is not None:  # (minmax of the blocks of 32 takes llama.cpp's own codes)
+            q = quantize_weight(x, QuantConfig(format=kind, bits=t.bits, group_size=t.group, symmetric=t.symmetric,
+                                               method=method), importance=None if method == "minmax" else imp)
+            assert torch.equal(q.scale, scale) and torch.equal(q.bias, bias) and torch.equal(q.qdata, v.qdata)

@@ -21,7 +21,9 @@ q6_k   6     16     d * sc_j (sc_j in -128..127)                -32 d sc_j
 
 Two steps, usable apart (a column-by-column method such as GPTQ fits a run of columns, then rounds each
 column with the parameters held fixed): `fit(kind, x)` -> the stored per-group (scale, bias) of a run of
-whole blocks; `round_codes(kind, x, scale, bias)` -> the nearest code of each value under them. Every
+whole blocks (a K-quant's sub-block scales depend on their whole super-block: a run is a multiple of 256
+columns); `round_codes(kind, x, scale, bias)` -> the nearest code of each value under them, and
+`round_columns(kind, x_cols, scale, bias, first)` the same for any columns of the run (one at a time). Every
 parameter `fit` returns is one the block stores (the float16 rounding and the sub-block integers are
 applied inside the method, before its error is measured), so the error a method minimises is the error
 of the written file.
@@ -146,6 +148,19 @@ def round_codes(kind: str, x: torch.Tensor, scale: torch.Tensor, bias: torch.Ten
     rows, n = x.shape
     g = x.reshape(rows, n // t.group, t.group)
     return codes(g, scale, bias, t.top).reshape(rows, n)
+
+
+def round_columns(kind: str, x: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor,
+                  first: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Columns first .. first + c - 1 of a run, x [R, c] (any c, e.g. one column at a time), rounded with the
+    run's fixed stored scale, bias [R, n / group] (what `fit` returned for the run): (float codes [R, c], their
+    dequantized values [R, c], float32 as dequantize gives them)."""
+    t = BLOCK_TYPES[kind]
+    cols = torch.arange(first, first + x.shape[1]) // t.group
+    s, b = scale[:, cols], bias[:, cols]
+    q = ((x - b) / _safe(s)).round_().clamp_(0, t.top)
+    q = torch.where(s == 0, torch.zeros_like(q), q)
+    return q, (q.double() * s.double() + b.double()).float()
 
 
 # --------------------------------------------------------------------------------------------
