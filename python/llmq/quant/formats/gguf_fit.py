@@ -59,6 +59,8 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from llmq.quant.hqq import BETA, ITERS, KAPPA, P_NORM, hqq_qparams_torch, shrink_lp
+
 
 @dataclasses.dataclass(frozen=True)
 class BlockType:
@@ -256,8 +258,6 @@ def _hqq_float(g: torch.Tensor, t: BlockType, a: Optional[torch.Tensor],
                scale_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
     """Method "hqq" before storing (see the module docstring): float (scale, bias) per group of g [R, ..., n]
     (a [..., n] or None)."""
-    from llmq.quant.hqq import BETA, ITERS, KAPPA, P_NORM, hqq_qparams_torch, shrink_lp
-
     if not t.symmetric:
         lead = g.shape[:-1]
         s, z = hqq_qparams_torch(g.reshape(lead[0], -1, g.shape[-1]), t.bits,
