@@ -58,16 +58,29 @@ def weight_error(w: torch.Tensor, approx: torch.Tensor, importance: Optional[tor
     return float(diff.sum())
 
 
+def output_error(w: torch.Tensor, approx: torch.Tensor, hessian: torch.Tensor) -> float:
+    """tr((W - W') H (W - W')^T) in float64: with H the mean of x x^T over a layer's calibration
+    inputs, the mean squared output error of the layer over them (correlations included, where
+    `weight_error` with importance = diag(H) counts each input column alone)."""
+    d = w.detach().double().reshape(-1, w.shape[-1]) - approx.detach().double().reshape(-1, w.shape[-1])
+    return float(((d @ hessian.double()) * d).sum())
+
+
 def measure_options(name: str, w: torch.Tensor, configs: Sequence[QuantConfig] = DEFAULT_OPTIONS,
                     importance: Optional[torch.Tensor] = None, relative: bool = False,
-                    storage: Callable[[QuantConfig], Storage] = lambda config: CANONICAL) -> List[Option]:
+                    storage: Callable[[QuantConfig], Storage] = lambda config: CANONICAL,
+                    hessian: Optional[torch.Tensor] = None) -> List[Option]:
     """Every config that can hold `w` (its format's `shape_problem` is None: e.g. the group size divides K, a
     GGUF K-quant's 256 divides K), with the bits `storage` writes
     for it and its error; each config takes the scale dtype its storage writes.
 
     relative: the error divided by the (equally weighted) energy of `w`, sum(a_j w_ij^2): with
     importances, about the layer's relative output error ||dW x||^2 / ||W x||^2, which does not
-    change when a row of `w` and the next layer's matching column trade a factor."""
+    change when a row of `w` and the next layer's matching column trade a factor.
+
+    hessian: the layer's input second moment H [K, K] (Calibration.hessians): configs of method
+    "gptq" round against it, and every option's error is the output error `output_error` (energy:
+    tr(W H W^T)) instead of the importance-weighted weight error."""
     if importance is not None and importance.shape != (w.shape[-1],):
         raise ValueError(f"{name}: importance has shape {list(importance.shape)}, expected [{w.shape[-1]}] "
                          "(one value per input column)")
@@ -79,13 +92,20 @@ def measure_options(name: str, w: torch.Tensor, configs: Sequence[QuantConfig] =
         stored = storage(config)
         if config.format == "int":
             config = dataclasses.replace(config, scale_dtype=stored.scale_dtype)
-        q = quantize_weight(w, config, name=name, importance=importance if takes_importance(config) else None)
-        options.append(Option(config, stored.bits(tuple(w.shape), q),
-                              weight_error(w, dequantize(q, torch.float32), importance)))
+        if config.method == "gptq":
+            q = quantize_weight(w, config, name=name, hessian=hessian)
+        else:
+            q = quantize_weight(w, config, name=name, importance=importance if takes_importance(config) else None)
+        approx = dequantize(q, torch.float32)
+        error = weight_error(w, approx, importance) if hessian is None else output_error(w, approx, hessian)
+        options.append(Option(config, stored.bits(tuple(w.shape), q), error))
     if not options:
         raise ValueError(f"{name}: none of the candidate formats holds its shape {list(w.shape)}: "
                          + "; ".join(sorted({shape_problem(c, tuple(w.shape)) or "" for c in configs})))
-    energy = weight_error(w, torch.zeros_like(w, dtype=torch.float32), importance) if relative else 0.0
+    zero = torch.zeros_like(w, dtype=torch.float32)
+    energy = 0.0
+    if relative:
+        energy = weight_error(w, zero, importance) if hessian is None else output_error(w, zero, hessian)
     if energy > 0:  # an all-zero weight is exact in every option: its errors stay 0
         options = [dataclasses.replace(o, error=o.error / energy) for o in options]
     return options

@@ -15,7 +15,7 @@ from llmq.quant.recipe import QuantConfig
 
 
 def quantize_weight(w: torch.Tensor, config: QuantConfig, *, name: str = "<tensor>",
-                    importance: Optional[torch.Tensor] = None):
+                    importance: Optional[torch.Tensor] = None, hessian: Optional[torch.Tensor] = None):
     """Quantize a 1-D, 2-D [out, in] or 3-D [experts, out, in] float weight along its last
     (input) dimension into the container of ``config.format`` (looked up in the format
     registry, llmq.quant.formats): a GroupQuantizedWeight for "int", FP8Weight, MXWeight or
@@ -24,9 +24,23 @@ def quantize_weight(w: torch.Tensor, config: QuantConfig, *, name: str = "<tenso
     importance: optional positive weights [K], one per input channel (e.g. the mean squared
     activation of each input feature over a calibration text, the imatrix idea); the methods in
     the format's `importance_methods` ("int" with "hqq" or "search") then minimise the
-    importance-weighted error. Other methods refuse it."""
+    importance-weighted error. Other methods refuse it.
+
+    hessian: the layer's input second moment H [K, K] (the mean of x x^T over calibration tokens,
+    llmq.quant.importance.Calibration.hessians) for format "int" with method "gptq"
+    (llmq.quant.gptq), which needs it; other methods refuse it."""
     if not isinstance(config, QuantConfig):
         raise ValueError(f"{name}: expected a QuantConfig, got {type(config).__name__}")
+    if hessian is not None or config.method == "gptq":
+        if config.method != "gptq" or config.format != "int":
+            raise ValueError(f"{name}: hessian= applies to format 'int' with method 'gptq' only, got {config.describe()!r}")
+        if importance is not None:
+            raise ValueError(f"{name}: method 'gptq' takes hessian=, not importance= (diag(H) is the importance)")
+        if hessian is None:
+            get_format(config.format).quantize(w, config, name=name)  # raises: gptq needs H
+        from llmq.quant.gptq import gptq_quantize
+
+        return gptq_quantize(w, config, hessian, name=name)
     if importance is not None:
         if not takes_importance(config):
             raise ValueError(f"{name}: importance weights apply to format 'int' with method 'hqq' or 'search' only, got {config.describe()!r}")

@@ -110,6 +110,9 @@ class QuantConfig:
     (llmq.quant.scale_rounding; the canonical form still holds them as float32). A run sets it to
     its backend's (llmq.backend.Backend.storage).
     granularity: "fp8" only: "tensor", "channel" (default) or "block128" (128x128 tiles).
+    options: the method's options, a mapping (held as a sorted tuple of (name, value) pairs), for
+    the methods that take some: "gptq" ("damp", "block_size", "act_order", "fit";
+    llmq.quant.gptq). None or empty: the method's defaults.
     """
 
     format: str = INT_FORMAT
@@ -119,6 +122,7 @@ class QuantConfig:
     method: str = "minmax"
     scale_dtype: Any = DEFAULT
     granularity: Any = DEFAULT
+    options: Any = None
 
     def __post_init__(self):
         if not isinstance(self.format, str) or self.format not in format_names():
@@ -146,6 +150,10 @@ class QuantConfig:
             raise ValueError(f"QuantConfig.method={self.method!r} does not apply to format {self.format!r}; it takes {' or '.join(map(repr, fmt.methods))}")
         if "scale_dtype" in used:
             object.__setattr__(self, "scale_dtype", _dtype_from_name(self.scale_dtype))
+        object.__setattr__(self, "options", _options(self.options))
+        if self.options and self.method != "gptq":
+            raise ValueError(f"QuantConfig.options apply to method 'gptq' only, got {dict(self.options)} with method "
+                             f"{self.method!r}")
         fmt.validate_config(self)
 
     def group_size_for(self, k: int) -> int:
@@ -160,6 +168,8 @@ class QuantConfig:
             if f.name in ("format", "method") or f.name in used:
                 value = getattr(self, f.name)
                 d[f.name] = _dtype_name(value) if isinstance(value, torch.dtype) else value
+        if self.options:
+            d["options"] = dict(self.options)
         return d
 
     @classmethod
@@ -179,8 +189,28 @@ class QuantConfig:
         """Short human-readable form, from the format (`Format.describe`): 'int4 g32 sym', 'int8 grow
         asym' (one group a row), 'nvfp4 g16', 'fp8 per channel'; a method other than minmax follows."""
         method = "" if self.method == "minmax" else f" {self.method}"
+        if self.options:
+            method += " " + ",".join(f"{k}={v}" for k, v in self.options)
         scales = "" if self.scale_dtype in (None, torch.float32) else f" {_dtype_name(self.scale_dtype)} scales"
         return get_format(self.format).describe(self) + method + scales
+
+
+def _options(value: Any) -> Optional[Tuple[Tuple[str, Any], ...]]:
+    """QuantConfig.options as a sorted tuple of (name, value) pairs (None when empty)."""
+    if value is None:
+        return None
+    if isinstance(value, Mapping):
+        items = list(value.items())
+    elif isinstance(value, tuple) and all(isinstance(p, tuple) and len(p) == 2 for p in value):
+        items = list(value)
+    else:
+        raise ValueError(f"QuantConfig.options must be a mapping of option names to values, got {value!r}")
+    if not all(isinstance(k, str) for k, _ in items):
+        raise ValueError(f"QuantConfig.options: option names must be strings, got {[k for k, _ in items]!r}")
+    for k, v in items:
+        if not isinstance(v, (bool, int, float, str)):
+            raise ValueError(f"QuantConfig.options: option {k!r} must be a number, a bool or a string, got {v!r}")
+    return tuple(sorted(items)) or None
 
 
 def _one_line(e: Exception) -> str:

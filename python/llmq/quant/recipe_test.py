@@ -40,7 +40,7 @@ def dataclasses_frozen_error():
         (dict(group_size=True), "group_size"),
         (dict(symmetric="yes"), "symmetric"),
         (dict(format="int3"), "format='int3' unknown"),
-        (dict(method="gptq"), "method='gptq' unknown"),
+        (dict(method="awq"), "method='awq' unknown"),
         (dict(scale_dtype="float64"), "scale_dtype"),
         (dict(format="mxfp4", bits=4, group_size=16), "group_size=32"),
         (dict(format="nvfp4", bits=8, group_size=16), "4-bit"),

@@ -7,6 +7,7 @@ from typing import Callable, Iterable, Iterator, Optional, Tuple, Union
 
 import torch
 
+import llmq.quant.gptq as gptq
 from llmq.quant.formats import GroupQuantizedWeight
 from llmq.quant.importance import Calibration
 from llmq.quant.quantize import quantize_weight, takes_importance
@@ -21,7 +22,8 @@ def quantize_stream(items: Iterable[StreamItem], recipe: QuantRecipe, *, weight_
                     num_layers: Optional[int] = None,
                     module_of: Optional[Callable[[str], Optional[str]]] = None,
                     calibration: Optional[Calibration] = None,
-                    report: Optional[ErrorReport] = None) -> Iterator[StreamItem]:
+                    report: Optional[ErrorReport] = None,
+                    without_hessian: Optional[list] = None) -> Iterator[StreamItem]:
     """Yield (fqn, quantized weight in the config's format) for each `<module><weight_suffix>`
     tensor whose module the recipe maps to a config, and every other item unchanged. Pulls one item from `items`
     per item yielded. `num_layers` binds recipes that count layers from the end.
@@ -33,6 +35,10 @@ def quantize_stream(items: Iterable[StreamItem], recipe: QuantRecipe, *, weight_
     calibration: per-module statistics from a calibration text (llmq.quant.importance); a
     config that takes importance weights (method "hqq") gets its module's, and the report
     gets its input rows (the layer's output error). Modules it has none for quantize without.
+    A config of method "gptq" gets its module's H (Calibration.hessians); a module with none
+    (no calibration, or a weight no nn.Linear computes with, such as stacked experts) is rounded
+    by the rule's group fit alone (its option "fit", "search" by default) and listed in
+    `without_hessian` when a list is given.
     report: every quantized tensor's error figures are added to it as it passes (the
     original is dropped right after, as without a report).
 
@@ -59,16 +65,23 @@ def quantize_stream(items: Iterable[StreamItem], recipe: QuantRecipe, *, weight_
                 importance = calibration.importance_of(module) if calibration is not None else None
                 if importance is not None and not takes_importance(config):
                     importance = None
+                hessian = None
+                if config.method == "gptq":
+                    hessian = calibration.hessian_of(module) if calibration is not None else None
+                    if hessian is None:
+                        config = gptq.without_hessian(config)
+                        if without_hessian is not None:
+                            without_hessian.append(fqn)
                 if isinstance(tensor, RowBlocks):
                     blocks = None
-                    if importance is None and report is None:
+                    if importance is None and report is None and hessian is None:
                         blocks = quantize_row_blocks(tensor, config, name=fqn)
                     if blocks is not None:
                         yield fqn, blocks
                         del tensor, blocks
                         continue
                     tensor = tensor.whole()
-                quantized = quantize_weight(tensor, config, name=fqn, importance=importance)
+                quantized = quantize_weight(tensor, config, name=fqn, importance=importance, hessian=hessian)
                 if report is not None:
                     inputs = calibration.inputs_of(module) if calibration is not None else None
                     report.add(fqn, tensor, quantized, config, inputs=inputs)

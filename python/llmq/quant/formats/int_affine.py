@@ -548,7 +548,8 @@ class IntAffineFormat(Format):
     names = ("int",)
     container = GroupQuantizedWeight
     has_quantized_module = True
-    methods = ("minmax", "search", "hqq")  # quantize_int / llmq.quant.search / llmq.quant.hqq
+    # quantize_int / llmq.quant.search / llmq.quant.hqq / llmq.quant.gptq (needs the layer's H)
+    methods = ("minmax", "search", "hqq", "gptq")
     importance_methods = ("hqq", "search")
     hf_export = IntAffineHFExport()
     # Bundles store this family as {"kind": "group_quantized", "bits", "group_size", ...}, the
@@ -567,6 +568,10 @@ class IntAffineFormat(Format):
     def validate_config(self, config: Any) -> None:
         if config.method == "hqq" and config.symmetric:
             raise ValueError("QuantConfig.method='hqq' optimises the zero point: it needs symmetric=False (asymmetric)")
+        if config.method == "gptq":
+            from llmq.quant.gptq import check_options
+
+            check_options(dict(config.options or ()))
         gs = config.group_size
         if gs is not None and (not isinstance(gs, int) or isinstance(gs, bool) or gs <= 0):
             raise ValueError(f"QuantConfig.group_size must be a positive int, -1 or None (whole row), got {gs!r}")
@@ -587,6 +592,9 @@ class IntAffineFormat(Format):
 
     def quantize(self, w: torch.Tensor, config: Any, *, name: str = "<tensor>",
                  importance: Optional[torch.Tensor] = None) -> GroupQuantizedWeight:
+        if config.method == "gptq":
+            raise ValueError(f"{name}: method 'gptq' rounds against the layer's inputs: it needs their second moment "
+                             "H (quantize_weight(..., hessian=); in a run, --calibration_text)")
         return quantize_int(w, config.bits, config.group_size, config.symmetric, config.method, name=name,
                             importance=importance, scale_dtype=config.scale_dtype)
 
