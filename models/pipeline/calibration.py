@@ -73,8 +73,10 @@ def read_tokens(path: str, tokenizer, limit: int):
     return torch.tensor(ids[:limit], dtype=torch.long)
 
 
-def calibrate(arch: Architecture, config, source, model_stream: Callable, text_path: str, tokens: int) -> Calibration:
-    """Run the unquantized model on the first `tokens` tokens of the text; see the module docstring."""
+def calibrate(arch: Architecture, config, source, model_stream: Callable, text_path: str, tokens: int,
+              hessians: bool = False) -> Calibration:
+    """Run the unquantized model on the first `tokens` tokens of the text; see the module docstring.
+    hessians: also each linear's mean x x^T (Calibration.hessians, for method "gptq")."""
     try:
         tokenizer = load_tokenizer(tokenizer_source(source))
     except ValueError as e:
@@ -85,6 +87,6 @@ def calibrate(arch: Architecture, config, source, model_stream: Callable, text_p
         raise UsageError(f"--calibration_text {text_path}: the tokenizer gives id {int(ids.max())}, outside the "
                          f"model's vocabulary of {vocab}")
     model = build_quantized_model(arch.build_model(config, device="meta"), dict(model_stream())).eval()
-    calibration = collect_calibration(model, token_batches(ids, WINDOW), sample_rows=SAMPLE_ROWS)
+    calibration = collect_calibration(model, token_batches(ids, WINDOW), sample_rows=SAMPLE_ROWS, hessians=hessians)
     del model
     return calibration

@@ -58,7 +58,7 @@ flags.DEFINE_float("budget_bits_per_weight", None, "Choose per matrix among 3/4/
                    "included: the bundle's float32 pair, an MLX folder's 16-bit pair) with the "
                    "smallest (importance-weighted) error; the choice is written to <out>/budget_recipe.json, an "
                    "ordinary recipe (--recipe=that file reproduces it).", lower_bound=1.0)
-flags.DEFINE_enum("budget_method", "hqq", ["minmax", "search", "hqq"], "Rounding method of the "
+flags.DEFINE_enum("budget_method", "hqq", ["minmax", "search", "hqq", "gptq"], "Rounding method of the "
                   "--budget_bits_per_weight candidates.")
 flags.DEFINE_boolean("requantize_gguf", False, "GGUF input: dequantize the GGUF's quantized tensors exactly and "
                      "quantize them with --recipe (default: keep them as the GGUF stores them, losslessly; only "

@@ -182,3 +182,50 @@ def test_the_report_is_written_before_the_publish_and_a_failure_names_its_file(t
     result = _run(tmp_path, "out", backend=backend)
     assert {"quant_error.csv", "quant_error.md", "quant_error.png"} <= set(os.listdir(result["bundle"]))
     assert sorted(os.listdir(tmp_path)) == ["out"]
+
+
+def test_gptq_rules_need_a_calibration_text_and_round_against_each_linears_inputs(tmp_path):
+    """A recipe with method "gptq" (or --budget_method=gptq) without --calibration_text is refused in
+    one line before any work; with it, every linear is rounded against its own X^T X: the bundle
+    holds what quantize_weight(..., hessian=) gives for the H collect_calibration measures."""
+    import json
+
+    from llmq.quant import QuantConfig, quantize_weight
+    from models.pipeline import calibration as calibration_module
+
+    recipe = tmp_path / "gptq.json"
+    config = {"bits": 4, "group_size": 32, "symmetric": False, "method": "gptq", "options": {"block_size": 16}}
+    recipe.write_text(json.dumps({"rules": [{"pattern": r".*_proj", "config": config}]}))
+    with pytest.raises(UsageError, match=r"^--recipe rule '\.\*_proj' uses method 'gptq', which rounds against "
+                                         r"each layer's inputs: pass --calibration_text=FILE$"):
+        _run(tmp_path, "refused", recipe=str(recipe))
+    with pytest.raises(UsageError, match=r"^--budget_method=gptq uses method 'gptq'"):
+        _run(tmp_path, "refused2", budget_bits_per_weight=5.0, budget_method="gptq")
+    assert not (tmp_path / "refused").exists() and not (tmp_path / "refused2").exists()
+
+    text = tmp_path / "calibration.txt"
+    text.write_text(TEXT)
+    seen = {}
+    real = calibration_module.collect_calibration
+
+    def spy(model, batches, **kw):
+        seen["calibration"] = real(model, batches, **kw)
+        seen["model"] = model
+        return seen["calibration"]
+
+    calibration_module.collect_calibration = spy
+    try:
+        result = _run(tmp_path, "gptq", recipe=str(recipe), calibration_text=str(text), calibration_tokens=256,
+                      error_report=False)
+    finally:
+        calibration_module.collect_calibration = real
+    hessians = seen["calibration"].hessians
+    bundle = load_bundle(result["bundle"])
+    params = dict(seen["model"].named_parameters())
+    quantized = {n: v for n, v in bundle.items() if isinstance(v, GroupQuantizedWeight)}
+    assert quantized
+    for name, value in quantized.items():
+        module = name[: -len(".weight")]
+        assert module in hessians, name
+        want = quantize_weight(params[name].detach(), QuantConfig.from_dict(config), name=name, hessian=hessians[module])
+        assert value.qdata.equal(want.qdata) and value.scale.equal(want.scale), name

@@ -165,11 +165,17 @@ def run(arch: Architecture, *, checkpoint: Optional[str], recipe: Optional[str],
             # requantize_gguf: the GGUF's quantized tensors, dequantized exactly, go to the recipe like float ones
             return _as_float(stream) if requantize_gguf and model_input.from_gguf else stream
 
+        gptq_rule = next((r for r in quant_recipe.rules if r.config is not None and r.config.method == "gptq"), None)
+        if (gptq_rule is not None or budget_method == "gptq") and calibration_text is None:
+            what = f"--recipe rule {gptq_rule.pattern!r}" if gptq_rule is not None else "--budget_method=gptq"
+            raise UsageError(f"{what} uses method 'gptq', which rounds against each layer's inputs: pass "
+                             "--calibration_text=FILE")
         calibration = None
         if calibration_text is not None:
             print(f"calibration: running the unquantized model on up to {calibration_tokens} tokens of "
                   f"{calibration_text}", flush=True)
-            calibration = calibrate(arch, config, model_input, model_stream, calibration_text, calibration_tokens)
+            calibration = calibrate(arch, config, model_input, model_stream, calibration_text, calibration_tokens,
+                                    hessians=gptq_rule is not None or budget_method == "gptq")
         recipe_label = recipe_name
         budget = None
         if budget_bits_per_weight is not None:

@@ -61,8 +61,14 @@ def choose_recipe(stream: Callable, base: QuantRecipe, num_layers: int, budget_b
         if module is None or not isinstance(value, torch.Tensor) or bound.get_config(module) is None:
             continue
         importance = calibration.importance_of(module) if calibration is not None else None
+        hessian = calibration.hessian_of(module) if calibration is not None and method == "gptq" else None
+        if method == "gptq" and hessian is None:  # no H for this matrix: its options are measured by search
+            configs_here = candidates("search")
+        else:
+            configs_here = configs
         try:
-            options[fqn] = measure_options(fqn, value, configs, importance=importance, relative=True, storage=storage)
+            options[fqn] = measure_options(fqn, value, configs_here, importance=importance, relative=True,
+                                           storage=storage, hessian=hessian)
         except ValueError as e:
             raise UsageError(f"--budget_bits_per_weight: {e}") from None
         numel[fqn] = value.numel()
