@@ -150,7 +150,8 @@ class Evaluator:
 
 def llmq_variant(tensors: Dict[str, torch.Tensor], names: List[str], recipe_for: Callable[[str], object],
                  storage: Callable[[object], object],
-                 importance: Optional[Dict[str, torch.Tensor]] = None) -> Tuple[Dict[str, torch.Tensor], float]:
+                 importance: Optional[Dict[str, torch.Tensor]] = None,
+                 hessians: Optional[Dict[str, torch.Tensor]] = None) -> Tuple[Dict[str, torch.Tensor], float]:
     """Quantize (with the scale dtype `storage`, a backend's declaration, writes) then dequantize every
     projection; (dequantized weights, bits per weight as that backend writes them)."""
     import dataclasses
@@ -163,7 +164,8 @@ def llmq_variant(tensors: Dict[str, torch.Tensor], names: List[str], recipe_for:
         stored = storage(recipe_for(n))
         config = dataclasses.replace(recipe_for(n), scale_dtype=stored.scale_dtype)
         imp = importance[n] if importance is not None and takes_importance(config) else None
-        q = quantize_weight(tensors[n], config, name=n, importance=imp)
+        hessian = hessians[n] if hessians is not None and config.method == "gptq" else None
+        q = quantize_weight(tensors[n], config, name=n, importance=imp, hessian=hessian)
         out[n] = dequantize(q, torch.float32)
         bits += stored.bits(tuple(tensors[n].shape), q)
         count += tensors[n].numel()
@@ -190,6 +192,27 @@ def gguf_variant(path: str, names: List[str], gguf_names: Dict[str, str], refere
     return out, bits / count, types
 
 
+def _gptq(bits: int, group_size: int, symmetric: bool, **options):
+    from llmq.quant import QuantConfig
+
+    return QuantConfig(bits=bits, group_size=group_size, symmetric=symmetric, method="gptq", options=options or None)
+
+
+# The gptq variants: H from the calibration text run through the unquantized (off-grid) model.
+GPTQ_CONFIGS = {
+    "gptq": _gptq(4, 64, False),  # int4 g64 asym: 4.5 bpw as MLX writes it (16-bit scale and bias per 64)
+    "gptq-noact": _gptq(4, 64, False, act_order=False),
+    "gptq-minmax": _gptq(4, 64, False, fit="minmax"),
+    "gptq-g32": _gptq(4, 32, True),  # Q4_0's layout: 4.5 bpw counted, 5.0 as MLX writes it
+}
+# gptq-budget's options: int3/4/5 asymmetric groups of 64 (3.5, 4.5, 5.5 bpw as MLX writes them).
+GPTQ_BUDGET_OPTIONS = tuple(_gptq(b, 64, False) for b in (3, 4, 5))
+
+
+def gptq_variants(wanted: List[str]) -> List[str]:
+    return [v for v in wanted if v in GPTQ_CONFIGS or v == "gptq-budget"]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", required=True)
@@ -202,7 +225,7 @@ def main(argv=None) -> int:
     parser.add_argument("--write_reference_gguf", help="Write the off-grid reference as an F32 GGUF here and exit.")
     parser.add_argument("--llama_cpp", action="append", default=[], help="NAME=FILE.gguf from llama-quantize.")
     parser.add_argument("--variants", default="rtn,search,hqq,search-imatrix,imatrix,imatrix-g64,budget,budget-rel,int8",
-                        help="Comma-separated llmq variants to run.")
+                        help="Comma-separated llmq variants to run (also gptq, gptq-noact, gptq-minmax, gptq-g32, gptq-budget).")
     parser.add_argument("--backend", default="mlx",
                         help="Count bits per weight as this backend writes them (and quantize with its scale dtype).")
     parser.add_argument("--budget_bits_per_weight", default="4.5",
@@ -270,13 +293,18 @@ def main(argv=None) -> int:
     variants: Dict[str, Dict[str, torch.Tensor]] = {}
     bpw: Dict[str, float] = {}
     importance = None
-    if {"imatrix", "imatrix-g64", "budget", "budget-rel", "search-imatrix"} & set(wanted):
-        from llmq.quant.importance import collect_importance, token_batches
+    hessians: Dict[str, torch.Tensor] = {}
+    if {"imatrix", "imatrix-g64", "budget", "budget-rel", "search-imatrix"} & set(wanted) or gptq_variants(wanted):
+        from llmq.quant.importance import collect_calibration, token_batches
 
         calib = token_ids(args.calibration_text, args.calibration_tokens)
         t0 = time.time()
-        importance = collect_importance(build(reference), token_batches(calib, args.window))
-        print(f"importance from {len(calib)} calibration tokens in {time.time() - t0:.0f} s", flush=True)
+        calibration = collect_calibration(build(reference), token_batches(calib, args.window), sample_rows=0,
+                                          hessians=bool(gptq_variants(wanted)))
+        importance = calibration.importance
+        hessians = {f"{m}.weight": h for m, h in calibration.hessians.items()}
+        print(f"importance{' and H' if hessians else ''} from {len(calib)} calibration tokens in "
+              f"{time.time() - t0:.0f} s", flush=True)
     int4 = QuantConfig(bits=4, group_size=32, symmetric=True)
     simple = {"rtn": int4, "search": QuantConfig(bits=4, group_size=32, symmetric=True, method="search"),
               "hqq": QuantConfig(bits=4, group_size=32, symmetric=False, method="hqq"),
@@ -294,6 +322,26 @@ def main(argv=None) -> int:
                                                                            method="hqq")
             variants[name], bpw[name] = llmq_variant(reference, names, lambda n, c=qconfig: c, storage,
                                                      importance={n: importance[n[: -len(".weight")]] for n in names})
+        elif name in GPTQ_CONFIGS:  # error-compensating rounding against each layer's H (float inputs)
+            variants[name], bpw[name] = llmq_variant(reference, names, lambda n, c=GPTQ_CONFIGS[name]: c, storage,
+                                                     hessians=hessians)
+        elif name == "gptq-budget":  # per matrix the gptq option with the least relative output error that fits
+            from llmq.quant.budget import choose, measure_options
+
+            options = {n: measure_options(n, reference[n], GPTQ_BUDGET_OPTIONS, relative=True, storage=storage,
+                                          hessian=hessians[n]) for n in names}
+            for budget in (float(b) for b in args.budget_bits_per_weight.split(",")):
+                choice = choose(options, {n: reference[n].numel() for n in names}, budget)
+                chosen = {n: options[n][i].config for n, i in choice.items()}
+                counts = {}
+                for c in chosen.values():
+                    counts[c.describe()] = counts.get(c.describe(), 0) + 1
+                print(f"{name} {budget}: {counts}", flush=True)
+                key = f"{name}@{budget:g}"
+                variants[key], bpw[key] = llmq_variant(reference, names, chosen.__getitem__, storage,
+                                                       hessians=hessians)
+            print(f"{name}: measured and quantized in {time.time() - t0:.0f} s", flush=True)
+            continue
         elif name in ("budget", "budget-rel"):
             from llmq.quant.budget import choose, measure_options
 
