@@ -28,6 +28,7 @@ dequantizer (an independent reader) and evaluated the same way.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import sys
@@ -154,8 +155,6 @@ def llmq_variant(tensors: Dict[str, torch.Tensor], names: List[str], recipe_for:
                  hessians: Optional[Dict[str, torch.Tensor]] = None) -> Tuple[Dict[str, torch.Tensor], float]:
     """Quantize (with the scale dtype `storage`, a backend's declaration, writes) then dequantize every
     projection; (dequantized weights, bits per weight as that backend writes them)."""
-    import dataclasses
-
     from llmq.quant import dequantize, quantize_weight
     from llmq.quant.quantize import takes_importance
 
@@ -165,11 +164,17 @@ def llmq_variant(tensors: Dict[str, torch.Tensor], names: List[str], recipe_for:
         config = dataclasses.replace(recipe_for(n), scale_dtype=stored.scale_dtype)
         imp = importance[n] if importance is not None and takes_importance(config) else None
         hessian = hessians[n] if hessians is not None and config.method == "gptq" else None
-        q = quantize_weight(tensors[n], config, name=n, importance=imp, hessian=hessian)
-        out[n] = dequantize(q, torch.float32)
-        bits += stored.bits(tuple(tensors[n].shape), q)
+        key = (n, config, imp is not None)
+        if key not in _QUANTIZED:  # a matrix quantized once per config (gptq-budget's options, gptq's own)
+            q = quantize_weight(tensors[n], config, name=n, importance=imp, hessian=hessian)
+            _QUANTIZED[key] = (dequantize(q, torch.float32), stored.bits(tuple(tensors[n].shape), q))
+        out[n], b = _QUANTIZED[key]
+        bits += b
         count += tensors[n].numel()
     return out, bits / count
+
+
+_QUANTIZED: Dict[tuple, Tuple[torch.Tensor, int]] = {}
 
 
 def gguf_variant(path: str, names: List[str], gguf_names: Dict[str, str], reference: Dict[str, torch.Tensor]
@@ -213,6 +218,44 @@ def gptq_variants(wanted: List[str]) -> List[str]:
     return [v for v in wanted if v in GPTQ_CONFIGS or v == "gptq-budget"]
 
 
+def compressed_tensors_variant(folder: str, names: List[str]) -> Tuple[Dict[str, torch.Tensor], float]:
+    """The projections of a compressed-tensors "pack-quantized" integer folder (llm-compressor's output,
+    e.g. its GPTQModifier), decoded here from the file: int32 words of LSB-first b-bit codes q_u =
+    q + 2^(b-1), zero points packed the same way along the output dimension, w = (q - zp) * scale with
+    q, zp signed; (weights, bits per weight of the tensors it stores for them)."""
+    import json
+
+    from safetensors import safe_open
+
+    from llmq.quant.codecs import unpack_bits
+
+    with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+        scheme = json.load(f)["quantization_config"]
+    (group,) = scheme["config_groups"].values()
+    bits, symmetric = group["weights"]["num_bits"], group["weights"]["symmetric"]
+    out, stored, count = {}, 0, 0
+    with safe_open(os.path.join(folder, "model.safetensors"), "pt") as f:
+        for n in names:
+            m = n[: -len(".weight")]
+            n_out, k = (int(v) for v in f.get_tensor(m + ".weight_shape").tolist())
+            words = f.get_tensor(m + ".weight_packed")
+            scale = f.get_tensor(m + ".weight_scale").double()
+            q = unpack_bits(words.contiguous().view(torch.uint8)[:, : k * bits // 8], bits, k).double() - (1 << (bits - 1))
+            stored += sum(f.get_tensor(m + suffix).numel() * f.get_tensor(m + suffix).element_size() * 8
+                          for suffix in (".weight_packed", ".weight_scale", ".weight_shape"))
+            zp = torch.zeros_like(scale)
+            if not symmetric:
+                zwords = f.get_tensor(m + ".weight_zero_point")
+                stored += zwords.numel() * zwords.element_size() * 8
+                zbytes = zwords.t().contiguous().view(torch.uint8)[:, : n_out * bits // 8]
+                zp = unpack_bits(zbytes, bits, n_out).t().double() - (1 << (bits - 1))
+            gs = k // scale.shape[1]
+            w = (q.reshape(n_out, -1, gs) - zp[..., None]) * scale[..., None]
+            out[n] = w.reshape(n_out, k).float()
+            count += n_out * k
+    return out, stored / count
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", required=True)
@@ -224,6 +267,10 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--write_reference_gguf", help="Write the off-grid reference as an F32 GGUF here and exit.")
     parser.add_argument("--llama_cpp", action="append", default=[], help="NAME=FILE.gguf from llama-quantize.")
+    parser.add_argument("--hessians", help="File of the gptq variants' H per linear: read when it exists (from "
+                        "an earlier run on the same checkpoint, --seed, calibration text and tokens), else written.")
+    parser.add_argument("--compressed_tensors", action="append", default=[],
+                        help="NAME=DIR: an integer pack-quantized HF folder of the reference (e.g. llm-compressor's).")
     parser.add_argument("--variants", default="rtn,search,hqq,search-imatrix,imatrix,imatrix-g64,budget,budget-rel,int8",
                         help="Comma-separated llmq variants to run (also gptq, gptq-noact, gptq-minmax, gptq-g32, gptq-budget).")
     parser.add_argument("--backend", default="mlx",
@@ -294,7 +341,11 @@ def main(argv=None) -> int:
     bpw: Dict[str, float] = {}
     importance = None
     hessians: Dict[str, torch.Tensor] = {}
-    if {"imatrix", "imatrix-g64", "budget", "budget-rel", "search-imatrix"} & set(wanted) or gptq_variants(wanted):
+    if args.hessians and os.path.exists(_user_path(args.hessians)) and not (
+            {"imatrix", "imatrix-g64", "budget", "budget-rel", "search-imatrix"} & set(wanted)):
+        hessians = {f"{m}.weight": h for m, h in torch.load(_user_path(args.hessians), weights_only=True).items()}
+        print(f"H of {len(hessians)} linears read from {args.hessians}", flush=True)
+    elif {"imatrix", "imatrix-g64", "budget", "budget-rel", "search-imatrix"} & set(wanted) or gptq_variants(wanted):
         from llmq.quant.importance import collect_calibration, token_batches
 
         calib = token_ids(args.calibration_text, args.calibration_tokens)
@@ -303,6 +354,8 @@ def main(argv=None) -> int:
                                           hessians=bool(gptq_variants(wanted)))
         importance = calibration.importance
         hessians = {f"{m}.weight": h for m, h in calibration.hessians.items()}
+        if args.hessians and hessians:
+            torch.save(calibration.hessians, _user_path(args.hessians))
         print(f"importance{' and H' if hessians else ''} from {len(calib)} calibration tokens in "
               f"{time.time() - t0:.0f} s", flush=True)
     int4 = QuantConfig(bits=4, group_size=32, symmetric=True)
@@ -326,10 +379,18 @@ def main(argv=None) -> int:
             variants[name], bpw[name] = llmq_variant(reference, names, lambda n, c=GPTQ_CONFIGS[name]: c, storage,
                                                      hessians=hessians)
         elif name == "gptq-budget":  # per matrix the gptq option with the least relative output error that fits
-            from llmq.quant.budget import choose, measure_options
+            from llmq.quant.budget import Option, choose, output_error
 
-            options = {n: measure_options(n, reference[n], GPTQ_BUDGET_OPTIONS, relative=True, storage=storage,
-                                          hessian=hessians[n]) for n in names}
+            for c in GPTQ_BUDGET_OPTIONS:  # (what budget.measure_options(..., hessian=) measures, kept for reuse)
+                llmq_variant(reference, names, lambda n, c=c: c, storage, hessians=hessians)
+            options = {}
+            for n in names:
+                energy = output_error(reference[n], torch.zeros_like(reference[n]), hessians[n])
+                options[n] = []
+                for c in GPTQ_BUDGET_OPTIONS:
+                    config = dataclasses.replace(c, scale_dtype=storage(c).scale_dtype)
+                    approx, bits = _QUANTIZED[(n, config, False)]
+                    options[n].append(Option(config, bits, output_error(reference[n], approx, hessians[n]) / energy))
             for budget in (float(b) for b in args.budget_bits_per_weight.split(",")):
                 choice = choose(options, {n: reference[n].numel() for n in names}, budget)
                 chosen = {n: options[n][i].config for n, i in choice.items()}
@@ -379,6 +440,11 @@ def main(argv=None) -> int:
             out, bits, types = gguf_variant(_user_path(file), names, gguf_names, reference)
             variants[name], bpw[name] = out, bits
             print(f"{name}: {bits:.3f} bpw, tensor types {types}", flush=True)
+
+    for spec in args.compressed_tensors:
+        name, _, folder = spec.partition("=")
+        variants[name], bpw[name] = compressed_tensors_variant(_user_path(folder), names)
+        print(f"{name}: {bpw[name]:.3f} bpw as stored in {folder}", flush=True)
 
     t0 = time.time()
     results = Evaluator(build, reference, windows).run(variants)
