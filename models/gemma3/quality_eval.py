@@ -269,6 +269,9 @@ def main(argv=None) -> int:
     parser.add_argument("--llama_cpp", action="append", default=[], help="NAME=FILE.gguf from llama-quantize.")
     parser.add_argument("--hessians", help="File of the gptq variants' H per linear: read when it exists (from "
                         "an earlier run on the same checkpoint, --seed, calibration text and tokens), else written.")
+    parser.add_argument("--dequantized", action="append", default=[],
+                        help="NAME=FILE[,FILE...]: projections already quantized and dequantized (float32 safetensors "
+                             "with metadata 'bits' and 'count': the bits as written and the weights they hold).")
     parser.add_argument("--compressed_tensors", action="append", default=[],
                         help="NAME=DIR: an integer pack-quantized HF folder of the reference (e.g. llm-compressor's).")
     parser.add_argument("--variants", default="rtn,search,hqq,search-imatrix,imatrix,imatrix-g64,budget,budget-rel,int8",
@@ -441,6 +444,21 @@ def main(argv=None) -> int:
             variants[name], bpw[name] = out, bits
             print(f"{name}: {bits:.3f} bpw, tensor types {types}", flush=True)
 
+    for spec in args.dequantized:  # e.g. a variant quantized in parallel processes, layer ranges per file
+        from safetensors import safe_open
+
+        name, _, files = spec.partition("=")
+        out, bits, count = {}, 0, 0
+        for file in files.split(","):
+            with safe_open(_user_path(file), "pt") as f:
+                out.update({n: f.get_tensor(n) for n in f.keys()})
+                meta = f.metadata()
+                bits, count = bits + int(meta["bits"]), count + int(meta["count"])
+        missing = sorted(set(names) - set(out))
+        if missing:
+            raise SystemExit(f"error: --dequantized {name}: {len(missing)} projections missing, e.g. {missing[0]}")
+        variants[name], bpw[name] = out, bits / count
+        print(f"{name}: {bpw[name]:.3f} bpw, read from {files}", flush=True)
     for spec in args.compressed_tensors:
         name, _, folder = spec.partition("=")
         variants[name], bpw[name] = compressed_tensors_variant(_user_path(folder), names)
