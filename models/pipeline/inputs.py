@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from llmq.checkpoint import (
     TOKENIZER_FILES,
@@ -46,20 +46,34 @@ class ModelInput:
     def from_gguf(self) -> bool:
         return self.kind == "gguf"
 
-    def stream(self, notes: Optional[List[str]] = None, chunk_bytes: Optional[int] = None) -> Iterator[Tuple[str, Any]]:
+    def stream(self, notes: Optional[List[str]] = None, chunk_bytes: Optional[int] = None,
+               only: Optional[Callable[[str], bool]] = None) -> Iterator[Tuple[str, Any]]:
         """The checkpoint as model-layout tensors (GGUF: `notes` collects what the import did).
         chunk_bytes: an HF folder's tensors over this many bytes arrive as row blocks
-        (``iter_checkpoint(chunk_bytes=)``); a GGUF's always arrive whole."""
+        (``iter_checkpoint(chunk_bytes=)``); a GGUF's always arrive whole. only: the model names to
+        give (an HF folder's others are never read; see `reads_selectively`)."""
         if self.from_gguf:
-            return gguf_input.model_tensors(self.arch, self.path, self.config, notes=notes)
-        return model_tensors(self.arch, self.path, self.config, chunk_bytes=chunk_bytes)
+            stream = gguf_input.model_tensors(self.arch, self.path, self.config, notes=notes)
+            return stream if only is None else ((n, v) for n, v in stream if only(n))
+        return model_tensors(self.arch, self.path, self.config, chunk_bytes=chunk_bytes, only=only)
+
+    @property
+    def reads_selectively(self) -> bool:
+        """Whether stream(only=) skips reading the tensors it leaves out (an HF folder: yes)."""
+        return not self.from_gguf
 
 
-def model_tensors(arch: Architecture, folder: str, config, *,
-                  chunk_bytes: Optional[int] = None) -> Iterator[Tuple[str, Any]]:
+def model_tensors(arch: Architecture, folder: str, config, *, chunk_bytes: Optional[int] = None,
+                  only: Optional[Callable[[str], bool]] = None) -> Iterator[Tuple[str, Any]]:
     """An HF folder as a stream of model-layout tensors (renamed, experts stacked per layer);
-    with chunk_bytes, tensors over that size as row blocks (llmq.quant.row_blocks.RowBlocks)."""
-    stream = iter_checkpoint(folder, key_map=arch.key_map, chunk_bytes=chunk_bytes)
+    with chunk_bytes, tensors over that size as row blocks (llmq.quant.row_blocks.RowBlocks);
+    with only, just the tensors whose (renamed) name it accepts (the others are never read)."""
+    key_map = arch.key_map
+    if only is not None:
+        def key_map(name: str, _map=arch.key_map) -> Optional[str]:
+            out = _map(name)
+            return out if out is not None and only(out) else None
+    stream = iter_checkpoint(folder, key_map=key_map, chunk_bytes=chunk_bytes)
     return merge_experts_stream(stream, arch, getattr(config, "num_experts", 0))
 
 

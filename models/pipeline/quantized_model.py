@@ -78,10 +78,10 @@ def _set_module(model: nn.Module, path: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, child, module)
 
 
-@torch.no_grad()
-def build_quantized_model(model: nn.Module, tensors: Dict[str, Value]) -> nn.Module:
-    """Fill `model` (built on the meta device) from `tensors`; returns it, ready on CPU."""
-    dense: Dict[str, torch.Tensor] = {}
+def _swap_quantized(model: nn.Module, tensors: Dict[str, Value]) -> Dict[str, Value]:
+    """Swap the module of every quantized weight in `tensors` for its quantized counterpart; returns
+    the rest (dense tensors, by name) for load_state_dict."""
+    dense: Dict[str, Value] = {}
     experts: Dict[str, Dict[str, Value]] = {}
     for name, value in tensors.items():
         fmt = format_of(value)
@@ -112,7 +112,34 @@ def build_quantized_model(model: nn.Module, tensors: Dict[str, Value]) -> nn.Mod
             _set_module(model, path, QuantizedExperts(parts["gate_up_proj"], parts["down_proj"]))
         else:
             dense.update({f"{path}.{part}": value for part, value in parts.items()})
+    return dense
 
+
+def _assign(model: nn.Module, dense: Dict[str, Value]) -> None:
+    result = model.load_state_dict(dense, strict=False, assign=True)
+    if result.unexpected_keys:
+        raise ValueError(f"tensors the model does not have: {sorted(result.unexpected_keys)[:10]}")
+
+
+def _check_filled(model: nn.Module, what: str = "model") -> None:
+    still_meta = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    if still_meta:
+        raise ValueError(f"tensors missing for {len(still_meta)} {what} entries, e.g. {still_meta[:10]}")
+
+
+@torch.no_grad()
+def fill_module(module: nn.Module, tensors: Dict[str, Value], what: str = "module") -> nn.Module:
+    """Fill one part of a model (e.g. a decoder layer, built on the meta device) from `tensors`
+    named relative to it, as build_quantized_model fills a whole model; returns it, ready on CPU."""
+    _assign(module, _swap_quantized(module, tensors))
+    _check_filled(module, what)
+    return module.eval()
+
+
+@torch.no_grad()
+def build_quantized_model(model: nn.Module, tensors: Dict[str, Value]) -> nn.Module:
+    """Fill `model` (built on the meta device) from `tensors`; returns it, ready on CPU."""
+    dense = _swap_quantized(model, tensors)
     config = getattr(model, "config", None)
     tied = bool(getattr(config, "tie_word_embeddings", False))
     embed = model.get_submodule("model.embed_tokens")
@@ -120,12 +147,8 @@ def build_quantized_model(model: nn.Module, tensors: Dict[str, Value]) -> nn.Mod
         model.lm_head = QuantizedLinear.from_quantized(embed.quantized_weight())
     if tied:
         dense.pop("lm_head.weight", None)
-    result = model.load_state_dict(dense, strict=False, assign=True)
-    if result.unexpected_keys:
-        raise ValueError(f"tensors the model does not have: {sorted(result.unexpected_keys)[:10]}")
+    _assign(model, dense)
     if tied and hasattr(model, "tie_weights") and not isinstance(model.lm_head, QuantizedLinear):
         model.tie_weights()
-    still_meta = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
-    if still_meta:
-        raise ValueError(f"tensors missing for {len(still_meta)} model entries, e.g. {still_meta[:10]}")
+    _check_filled(model)
     return model.eval()

@@ -46,7 +46,7 @@ from llmq.quant.row_blocks import QuantizedRowBlocks, RowBlocks
 from models.pipeline import gguf_input, inputs, verify as verification
 from models.pipeline.agreement import format_table
 from models.pipeline.arch import Architecture, quantizable_module
-from models.pipeline.calibration import calibrate
+from models.pipeline.calibration import calibrate, discard_saved, unreached_experts
 from models.pipeline.checks import check_headers, check_stored_types, checked_stream, expected_tensors
 from models.pipeline.gguf_output import gguf_fields
 from models.pipeline.size_budget import RECIPE_FILE, choose_recipe
@@ -174,8 +174,11 @@ def run(arch: Architecture, *, checkpoint: Optional[str], recipe: Optional[str],
         if calibration_text is not None:
             print(f"calibration: running the unquantized model on up to {calibration_tokens} tokens of "
                   f"{calibration_text}", flush=True)
-            calibration = calibrate(arch, config, model_input, model_stream, calibration_text, calibration_tokens,
+            calibration_start = time.perf_counter()
+            calibration = calibrate(arch, config, model_input, calibration_text, calibration_tokens, out=out,
+                                    progress=progress,
                                     hessians=gptq_rule is not None or budget_method == "gptq")
+            calibration_seconds = time.perf_counter() - calibration_start
         recipe_label = recipe_name
         budget = None
         if budget_bits_per_weight is not None:
@@ -256,8 +259,15 @@ def run(arch: Architecture, *, checkpoint: Optional[str], recipe: Optional[str],
         rows += writer.summary(written, job)
         result = {}
         if calibration is not None:
+            discard_saved(out)  # the output is published: its saved calibration statistics are done with
             rows.append(("calibration", f"{calibration.tokens} tokens of {calibration_text}, "
-                                        f"{len(calibration.importance)} linear layers"))
+                                        f"{len(calibration.importance)} linear layers, layer by layer in "
+                                        f"{calibration_seconds:.1f} s"))
+            unreached, experts = unreached_experts(calibration)
+            if experts:
+                rows.append(("calibration experts", f"{experts - unreached} of {experts} routed experts reached by "
+                                                    f"the text, {unreached} never; expert stacks take no importance "
+                                                    "(their plain method)"))
         if budget is not None:
             rows.append(("budget", f"{budget.bits_per_weight:.3f} bits per weight as {backend} writes them, over "
                                    f"{budget.matrices} matrices: " + ", ".join(
