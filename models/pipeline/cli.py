@@ -29,11 +29,12 @@ flags.DEFINE_enum("backend", "bundle", backend_names(), "Terminal writer (one of
 flags.DEFINE_string("out", None, "Output folder (default: out/<arch>-<recipe>; a temp folder for the embedded default).")
 flags.DEFINE_boolean("resume", True, "Reuse finished shards of an interrupted run into the same --out.")
 flags.DEFINE_integer("max_shard_size", 2 << 30, "Maximum bytes per output shard.", lower_bound=1 << 16)
-flags.DEFINE_boolean("verify", None, "Reload the output and compare logits with the unquantized model "
-                     "(default: on for checkpoints under 4 GiB). A failed check (non-finite logits, or a logits "
-                     "cosine under --verify_min_cosine) exits with status 2 and moves the output to <out>.failed.")
-flags.DEFINE_float("verify_min_cosine", 0.9, "--verify fails below this logits cosine with the unquantized model "
-                   "(working INT4/INT8 recipes give >= 0.95; a broken one is far lower).", lower_bound=-1.0,
+flags.DEFINE_boolean("verify", None, "Read the output back and compare it with the unquantized model layer by "
+                     "layer, in bounded memory (default: on at every size, where the backend reads its output back). "
+                     "A failed check (non-finite logits, or logits noise over 4x that of round-to-nearest of the "
+                     "same formats) exits with status 2 and moves the output to <out>.failed.")
+flags.DEFINE_float("verify_min_cosine", None, "An extra --verify floor: fail below this logits cosine with the "
+                   "unquantized model (default: none; the rule is relative to round-to-nearest).", lower_bound=-1.0,
                    upper_bound=1.0)
 flags.DEFINE_boolean("verify_warn_only", False, "A failed --verify only warns: the run exits 0 and the output stays "
                      "at --out.")

@@ -65,18 +65,33 @@ class LayerTensors:
     are held until they are."""
 
     def __init__(self, open_stream: Callable[[Optional[Callable[[str], bool]]], Iterator[Tuple[str, Any]]], *,
-                 selective: bool, expected: Dict[Group, Sequence[str]]):
+                 selective: bool, expected: Dict[Group, Sequence[str]], keep_last: bool = False):
         self._open = open_stream
         self.selective = selective
+        self.keep_last = keep_last  # the last group read is given again without reading (two users of one group)
         self._expected = {g: set(names) for g, names in expected.items()}
         self._held: Dict[Group, Dict[str, Any]] = {}
         self._stream: Optional[Iterator[Tuple[str, Any]]] = None
         self._ended = False
+        self._served: set = set()
+        self._last: Optional[Tuple[Group, Dict[str, Any]]] = None
 
     def group(self, group: Group) -> Dict[str, Any]:
-        """The tensors of `group`, by model name (read now; not kept here after this call)."""
+        """The tensors of `group`, by model name (read now; with keep_last, kept until another group is asked)."""
+        if self._last is not None and self._last[0] == group:
+            return self._last[1]
+        self._last = None
+        tensors = self._read(group)
+        if self.keep_last:
+            self._last = (group, tensors)
+        return tensors
+
+    def _read(self, group: Group) -> Dict[str, Any]:
         if self.selective:
             return dict(self._open(lambda name: group_of(name) == group))
+        if group in self._served:  # a second pass over the model: the stream starts again
+            self._stream, self._ended, self._held, self._served = None, False, {}, set()
+        self._served.add(group)
         want = self._expected.get(group, set())
         have = self._held.setdefault(group, {})
         while not self._ended and not want <= set(have):
@@ -103,10 +118,34 @@ def expected_groups(skeleton: nn.Module) -> Dict[Group, List[str]]:
 
 # -- rows of a weight that may be a tensor, row blocks or a quantized weight --------------------------------------
 
+class RoundedRows:
+    """A 2-D weight rounded to nearest in `config`'s format block of rows by block (exact for the formats
+    whose scales are per row or per group in a row; a per-tensor scale is then per block)."""
+
+    def __init__(self, value: Any, config, name: str):
+        self.value, self.config, self.name = value, config, name
+        self.shape = tuple(value.shape)
+
+    def blocks(self, block_bytes: int = HEAD_BLOCK_BYTES) -> Iterator[Tuple[int, torch.Tensor]]:
+        from llmq.quant import quantize_weight
+
+        for r0, block in _row_blocks(self.value, block_bytes):
+            try:
+                rounded = quantize_weight(block, self.config, name=self.name)
+            except ValueError:  # a block the format cannot take alone (e.g. 128-row tiles): the whole weight
+                whole = self.value.whole() if isinstance(self.value, RowBlocks) else self.value
+                yield 0, dequantize(quantize_weight(whole, self.config, name=self.name)).to(whole.dtype)
+                return
+            yield r0, dequantize(rounded).to(block.dtype)
+
+
 def _row_blocks(value: Any, block_bytes: int) -> Iterator[Tuple[int, torch.Tensor]]:
     """(first row, float rows) blocks of a 2-D weight; a quantized weight is dequantized block by block."""
     if isinstance(value, RowBlocks):
         yield from value.blocks()
+        return
+    if isinstance(value, RoundedRows):
+        yield from value.blocks(block_bytes)
         return
     if isinstance(value, GroupQuantizedWeight):
         n, k = value.shape
@@ -187,15 +226,18 @@ class LayerwiseModel:
     @contextlib.contextmanager
     def layer(self, index: int):
         """Decoder layer `index`, filled from its tensors; sent back to the meta device afterwards."""
-        prefix = f"model.layers.{index}."
-        tensors = {name[len(prefix):]: value.whole() if isinstance(value, RowBlocks) else value
-                   for name, value in self.tensors.group(index).items()}
-        module = fill_module(_meta_copy(self.skeleton.model.layers[index]), tensors, f"layer {index}")
-        del tensors
+        module = self.build_layer(index, self.tensors.group(index))
         try:
             yield module
         finally:
             module.to("meta")  # its tensors freed (the caller may still hold the module object)
+
+    def build_layer(self, index: int, tensors: Dict[str, Any]) -> nn.Module:
+        """Decoder layer `index` (a copy of the skeleton's) filled from its tensors (model names)."""
+        prefix = f"model.layers.{index}."
+        tensors = {name[len(prefix):]: value.whole() if isinstance(value, RowBlocks) else value
+                   for name, value in tensors.items()}
+        return fill_module(_meta_copy(self.skeleton.model.layers[index]), tensors, f"layer {index}")
 
     @torch.no_grad()
     def run_layer(self, layer: nn.Module, hidden: Sequence[torch.Tensor]) -> List[torch.Tensor]:

@@ -7,7 +7,7 @@ their names importable from one place.
 
 from models.pipeline.cli import cli_wording, list_recipes, main_for, parse_flags_or_exit  # noqa: F401
 from models.pipeline.inputs import model_tensors, read_hf_config  # noqa: F401
-from models.pipeline.run import VERIFY_LIMIT_BYTES, _user_path, run  # noqa: F401
+from models.pipeline.run import _user_path, run  # noqa: F401
 from models.pipeline.usage_error import UsageError  # noqa: F401
 
 _read_hf_config = read_hf_config  # the name export_pt2 and tests use

@@ -52,7 +52,6 @@ from models.pipeline.gguf_output import gguf_fields
 from models.pipeline.size_budget import RECIPE_FILE, choose_recipe
 from models.pipeline.usage_error import UsageError
 
-VERIFY_LIMIT_BYTES = 4 << 30
 ROW_BLOCK_BYTES = 16 << 20  # tensors over this travel as blocks of rows of at most this size
 
 
@@ -95,7 +94,7 @@ def _progress(items, total: int, desc: str, enabled: bool):
 
 def run(arch: Architecture, *, checkpoint: Optional[str], recipe: Optional[str], backend: str, out: Optional[str],
         resume: bool, max_shard_size: int, verify: Optional[bool], seed: int, progress: bool,
-        use_moe_op: bool = False, verify_min_cosine: float = 0.9, verify_warn_only: bool = False,
+        use_moe_op: bool = False, verify_min_cosine: Optional[float] = None, verify_warn_only: bool = False,
         error_report: bool = False, calibration_text: Optional[str] = None,
         calibration_tokens: int = 512, budget_bits_per_weight: Optional[float] = None,
         budget_method: str = "hqq", requantize_gguf: bool = False) -> Dict:
@@ -152,7 +151,7 @@ def run(arch: Architecture, *, checkpoint: Optional[str], recipe: Optional[str],
         if verify and not writer.reloads:
             raise UsageError(f"--verify: --backend {backend} cannot read its output back (pass --noverify)")
         if verify is None:
-            verify = writer.reloads and (kind == "embedded" or model_input.size_bytes < VERIFY_LIMIT_BYTES)
+            verify = writer.reloads  # layer by layer: on at every size (models/pipeline/verify.py)
         job = _write_job(arch, model_input, writer.name, out, quant_recipe, recipe_name, max_shard_size, resume,
                          verify)
         # How the backend writes each config: the methods choose scales in its scale dtype, and every
@@ -176,7 +175,6 @@ def run(arch: Architecture, *, checkpoint: Optional[str], recipe: Optional[str],
                   f"{calibration_text}", flush=True)
             calibration_start = time.perf_counter()
             calibration = calibrate(arch, config, model_input, calibration_text, calibration_tokens, out=out,
-                                    progress=progress,
                                     hessians=gptq_rule is not None or budget_method == "gptq")
             calibration_seconds = time.perf_counter() - calibration_start
         recipe_label = recipe_name
@@ -289,8 +287,8 @@ def run(arch: Architecture, *, checkpoint: Optional[str], recipe: Optional[str],
         failure = None
         if verify:
             check_rows, check, failure = verification.verify(
-                arch, config, model_input, writer, job, written, lambda: model_stream(), seed=seed,
-                min_cosine=verify_min_cosine, use_moe_op=use_moe_op)
+                arch, config, model_input, writer, job, written, lambda: model_stream(), recipe=quant_recipe,
+                seed=seed, min_cosine=verify_min_cosine, use_moe_op=use_moe_op)
             rows += check_rows
             result.update(check)
         elif use_moe_op:

@@ -14,7 +14,7 @@ The portable bundle is registered here, by the core itself. See docs/backends.md
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
 
 from llmq.quant.storage import CANONICAL, Storage
 
@@ -164,6 +164,17 @@ class Backend:
         """The written tensors as model-layout canonical values (what the model is built from)."""
         raise NotImplementedError(f"--backend {self.name} cannot read its output back (reloads = False)")
 
+    # Whether reload_stream(only=) reads only the tensors asked for (layer-by-layer verification
+    # then holds one layer of the output; else it holds what reload gives, whole).
+    reloads_selectively: bool = False
+
+    def reload_stream(self, path: str, job: WriteJob, only: Optional[Callable[[str], bool]] = None
+                      ) -> Iterator[Tuple[str, Any]]:
+        """reload's tensors one by one; with `only`, just the names it accepts."""
+        for name, value in self.reload(path, job).items():
+            if only is None or only(name):
+                yield name, value
+
     def summary(self, path: str, job: WriteJob) -> Rows:
         """Extra (label, text) rows for the run's summary table."""
         return []
@@ -263,6 +274,17 @@ class BundleBackend(Backend):
         from llmq.checkpoint import load_bundle
 
         return load_bundle(path)
+
+    reloads_selectively = True
+
+    def reload_stream(self, path: str, job: WriteJob, only: Optional[Callable[[str], bool]] = None
+                      ) -> Iterator[Tuple[str, Any]]:
+        from llmq.checkpoint import iter_bundle, read_manifest
+
+        if only is None:
+            return iter_bundle(path)
+        # a part read by part: the shard checksums (whole-shard hashes) are not recomputed for each part
+        return iter_bundle(path, names=[n for n in read_manifest(path)["tensors"] if only(n)], verify=False)
 
 
 register_backend(BundleBackend())

@@ -1,0 +1,102 @@
+"""Calibration, budget and verification run in memory bounded by a layer, not the model.
+
+One Gemma 4 shaped model (hidden 1024, MLP 4096: 33.6 MB of bf16 tensors per decoder layer) with 2 and
+with 8 decoder layers, run as `quantize_and_save --calibration_text=... --budget_bits_per_weight=4.5
+--verify` in a fresh child process each; a child that imports the same modules and reads the same
+tokenizer gives the baseline. Peak RSS is the child's own (resource.getrusage in the child: the
+operating system's high-water mark, measured from outside Python's allocator). Asserted:
+
+* peak above the baseline is at most PEAK_LAYERS times the largest decoder layer's bytes
+  (one layer as read, float copies of it while running and quantizing, the round-to-nearest copy of
+  verification, the writer's queue and the budget's candidates: a handful of layers, never the model);
+* the 8-layer run's peak exceeds the 2-layer run's by less than 2 layers' bytes, although its
+  checkpoint holds 6 more layers (a whole-model run would add all 6).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import models.architectures  # noqa: F401
+from models.gemma4.architecture import ARCHITECTURE as GEMMA4
+from models.pipeline.default_model import write_default_checkpoint, write_tiny_tokenizer
+
+HIDDEN, MLP, VOCAB = 1024, 4096, 8192
+PEAK_LAYERS = 8
+
+_CHILD = r"""
+import os, resource, sys
+mode, ckpt, out, text = sys.argv[1:5]
+import models.architectures
+from models.gemma4.architecture import ARCHITECTURE as arch
+from models.pipeline.quantize_and_save import run
+from models.common.tokenizer import load_tokenizer
+load_tokenizer(ckpt)
+if mode == "run":
+    run(arch, checkpoint=ckpt, recipe="int4", backend="bundle", out=out, resume=False, max_shard_size=64 << 20,
+        verify=True, seed=0, progress=False, calibration_text=text, calibration_tokens=512,
+        budget_bits_per_weight=4.5)
+print("PEAK_KB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+"""
+
+
+def _config(layers: int) -> dict:
+    hf = GEMMA4.tiny_hf_config()
+    hf.update(hidden_size=HIDDEN, intermediate_size=MLP, vocab_size=VOCAB, num_hidden_layers=layers,
+              num_attention_heads=8, num_key_value_heads=4, head_dim=128, global_head_dim=128,
+              num_global_key_value_heads=4)
+    if "layer_types" in hf:
+        pattern = hf["layer_types"]
+        hf["layer_types"] = [pattern[i % len(pattern)] for i in range(layers - 1)] + ["full_attention"]
+    return hf
+
+
+def _peak(mode: str, ckpt: str, out: str, text: str) -> int:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    res = subprocess.run([sys.executable, "-c", _CHILD, mode, ckpt, out, text], capture_output=True, text=True,
+                         env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    line = next(x for x in res.stdout.splitlines() if x.startswith("PEAK_KB"))
+    return int(line.split()[1]) * 1024
+
+
+def _layer_bytes(ckpt: str) -> int:
+    from llmq.checkpoint.tensor_sources import open_source
+
+    source = open_source(ckpt)
+    try:
+        per_layer = {}
+        for name in source.names():
+            if ".layers." in name:
+                layer = int(name.split(".layers.")[1].split(".")[0])
+                per_layer[layer] = per_layer.get(layer, 0) + (source.nbytes(name) or 0)
+        return max(per_layer.values())
+    finally:
+        source.close()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="ru_maxrss in KiB is Linux's convention")
+def test_peak_memory_is_flat_in_the_layer_count(tmp_path):
+    text = tmp_path / "calibration.txt"
+    text.write_text(" ".join(f"word{i % 97} value{i % 13}" for i in range(3000)))
+    peaks, layer_bytes, sizes = {}, {}, {}
+    for layers in (2, 8):
+        ckpt = str(tmp_path / f"ckpt{layers}")
+        write_default_checkpoint(GEMMA4, ckpt, hf_config=_config(layers), max_shard_bytes=64 << 20)
+        write_tiny_tokenizer(ckpt, VOCAB)
+        layer_bytes[layers] = _layer_bytes(ckpt)
+        sizes[layers] = sum(os.path.getsize(os.path.join(ckpt, f)) for f in os.listdir(ckpt)
+                            if f.endswith(".safetensors"))
+        baseline = _peak("baseline", ckpt, "", str(text))
+        peaks[layers] = _peak("run", ckpt, str(tmp_path / f"out{layers}"), str(text)) - baseline
+    largest = max(layer_bytes.values())
+    report = json.dumps({"peak_above_baseline": peaks, "largest_layer": largest, "checkpoint_bytes": sizes})
+    for peak in peaks.values():
+        assert peak < PEAK_LAYERS * largest, report
+    assert peaks[8] - peaks[2] < 2 * largest, report
+    assert sizes[8] - sizes[2] > 5 * largest  # the 8-layer checkpoint really is 6 layers larger
