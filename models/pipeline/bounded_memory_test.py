@@ -1,6 +1,6 @@
 """Calibration, budget and verification run in memory bounded by a layer, not the model.
 
-One Gemma 4 shaped model (hidden 1024, MLP 4096: 33.6 MB of bf16 tensors per decoder layer) with 2 and
+One Gemma 3 shaped model (hidden 1024, MLP 4096: 33.6 MB of bf16 tensors per decoder layer) with 2 and
 with 8 decoder layers, run as `quantize_and_save --calibration_text=... --budget_bits_per_weight=4.5
 --verify` in a fresh child process each; a child that imports the same modules and reads the same
 tokenizer gives the baseline. Peak RSS is the child's own (resource.getrusage in the child: the
@@ -23,7 +23,7 @@ import sys
 import pytest
 
 import models.architectures  # noqa: F401
-from models.gemma4.architecture import ARCHITECTURE as GEMMA4
+from models.gemma3.architecture import ARCHITECTURE as GEMMA3
 from models.pipeline.default_model import write_default_checkpoint, write_tiny_tokenizer
 
 HIDDEN, MLP, VOCAB = 1024, 4096, 8192
@@ -33,7 +33,7 @@ _CHILD = r"""
 import os, resource, sys
 mode, ckpt, out, text = sys.argv[1:5]
 import models.architectures
-from models.gemma4.architecture import ARCHITECTURE as arch
+from models.gemma3.architecture import ARCHITECTURE as arch
 from models.pipeline.quantize_and_save import run
 from models.common.tokenizer import load_tokenizer
 load_tokenizer(ckpt)
@@ -46,13 +46,10 @@ print("PEAK_KB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 
 
 def _config(layers: int) -> dict:
-    hf = GEMMA4.tiny_hf_config()
+    hf = GEMMA3.tiny_hf_config()
     hf.update(hidden_size=HIDDEN, intermediate_size=MLP, vocab_size=VOCAB, num_hidden_layers=layers,
-              num_attention_heads=8, num_key_value_heads=4, head_dim=128, global_head_dim=128,
-              num_global_key_value_heads=4)
-    if "layer_types" in hf:
-        pattern = hf["layer_types"]
-        hf["layer_types"] = [pattern[i % len(pattern)] for i in range(layers - 1)] + ["full_attention"]
+              num_attention_heads=8, num_key_value_heads=4, head_dim=128, query_pre_attn_scalar=128,
+              layer_types=["sliding_attention"] * (layers - 1) + ["full_attention"])
     return hf
 
 
@@ -87,7 +84,7 @@ def test_peak_memory_is_flat_in_the_layer_count(tmp_path):
     peaks, layer_bytes, sizes = {}, {}, {}
     for layers in (2, 8):
         ckpt = str(tmp_path / f"ckpt{layers}")
-        write_default_checkpoint(GEMMA4, ckpt, hf_config=_config(layers), max_shard_bytes=64 << 20)
+        write_default_checkpoint(GEMMA3, ckpt, hf_config=_config(layers), max_shard_bytes=64 << 20)
         write_tiny_tokenizer(ckpt, VOCAB)
         layer_bytes[layers] = _layer_bytes(ckpt)
         sizes[layers] = sum(os.path.getsize(os.path.join(ckpt, f)) for f in os.listdir(ckpt)

@@ -13,8 +13,10 @@ decoder layer of each in memory at a time (models/pipeline/layerwise.py), never 
 Numbers on the logits: cosine, SQNR, KL(reference || quantized) per token (mean and max), top-1
 agreement, for the quantized model and for round-to-nearest; the hidden states' SQNR after every
 layer (where an error enters). The rule (`verdict`): the output fails when its logits are not
-finite, or when its logits noise is more than RTN_NOISE_MARGIN times that of round-to-nearest of
-the same formats (its SQNR more than 10*log10(RTN_NOISE_MARGIN) dB under round-to-nearest's). A method
+finite, or when its noise, on the logits or on the hidden states after any layer, is more than
+RTN_NOISE_MARGIN times that of round-to-nearest of the same formats there (its SQNR more than
+10*log10(RTN_NOISE_MARGIN) = 6 dB under round-to-nearest's; the per-layer check matters where
+round-to-nearest's logits are already near noise, as on a small random model, and the logits saturate). A method
 (hqq, search, gptq) does better than round-to-nearest, a correct write of round-to-nearest equals
 it; a broken write or pack (wrong bits, scales, layout) is far worse. So the bar is the formats'
 own error on this model, not a fixed cosine: a small random model whose int4 logits reach cosine
@@ -84,8 +86,8 @@ def logits_numbers(reference: torch.Tensor, got: torch.Tensor) -> Dict[str, Any]
     }
 
 
-def verdict(check: Dict, *, rtn: Optional[Dict] = None, min_cosine: Optional[float] = None,
-            margin: float = RTN_NOISE_MARGIN) -> Optional[str]:
+def verdict(check: Dict, *, rtn: Optional[Dict] = None, layers: Optional[List[Dict]] = None,
+            min_cosine: Optional[float] = None, margin: float = RTN_NOISE_MARGIN) -> Optional[str]:
     """Why a verification result means a broken output (None: it passed); see the module docstring."""
     if not check.get("finite_quantized", True):
         return "the quantized model's logits are not finite (NaN/Inf)"
@@ -101,6 +103,13 @@ def verdict(check: Dict, *, rtn: Optional[Dict] = None, min_cosine: Optional[flo
             return (f"logits noise {_ratio(check, rtn)} that of round-to-nearest of the same formats (SQNR "
                     f"{check['sqnr_db']:.1f} dB vs {rtn['sqnr_db']:.1f} dB; allowed: {margin:g}x): worse than "
                     "the plainest rounding of these formats, a fault in the output, not the formats' error")
+    for layer in layers or ():
+        # the hidden states after each layer: where round-to-nearest's logits are already noisy (a small
+        # random model), the logits saturate, the residual stream of the first layers does not
+        if layer["noise"] > margin * layer["rtn_noise"] + 1e-10 * layer["signal"]:
+            return (f"hidden states after layer {layer['layer']}: noise {layer['noise'] / max(layer['rtn_noise'], 1e-300):.2f}x "
+                    f"that of round-to-nearest of the same formats (SQNR {layer['sqnr_db']:.1f} dB vs "
+                    f"{layer['rtn_sqnr_db']:.1f} dB; allowed: {margin:g}x): a fault in the output, not the formats' error")
     if min_cosine is not None and cosine < min_cosine:
         return f"logits cosine {cosine:.5f} is under {min_cosine} (--verify_min_cosine)"
     return None
@@ -189,8 +198,11 @@ def compare_layerwise(reference: layerwise.LayerwiseModel, quantized: layerwise.
         for k, m in enumerate(models):  # the reference first: round-to-nearest reuses its tensors (keep_last)
             with m.layer(i) as layer:
                 hidden[k] = m.run_layer(layer, hidden[k])
-        ref = hidden[0][0]
-        per_layer.append({"layer": i, "sqnr_db": _sqnr(ref, hidden[1][0]), "rtn_sqnr_db": _sqnr(ref, hidden[2][0])})
+        ref = hidden[0][0].double()
+        noise, rtn_noise = _noise(ref, hidden[1][0]), _noise(ref, hidden[2][0])
+        signal = ref.pow(2).sum().item()
+        per_layer.append({"layer": i, "noise": noise, "rtn_noise": rtn_noise, "signal": signal,
+                          "sqnr_db": _db(signal, noise), "rtn_sqnr_db": _db(signal, rtn_noise)})
         if progress is not None:
             progress.advance()
     logits = [m.logits(h)[0] for m, h in zip(models, hidden)]
@@ -199,9 +211,12 @@ def compare_layerwise(reference: layerwise.LayerwiseModel, quantized: layerwise.
     return logits_numbers(logits[0], logits[1]), logits_numbers(logits[0], logits[2]), per_layer
 
 
-def _sqnr(ref: torch.Tensor, got: torch.Tensor) -> float:
-    noise = (ref.double() - got.double()).pow(2).sum().item()
-    return math.inf if noise == 0 else 10 * math.log10(max(ref.double().pow(2).sum().item(), 1e-300) / noise)
+def _noise(ref: torch.Tensor, got: torch.Tensor) -> float:
+    return (ref - got.double()).pow(2).sum().item()
+
+
+def _db(signal: float, noise: float) -> float:
+    return math.inf if noise == 0 else 10 * math.log10(max(signal, 1e-300) / noise)
 
 
 def verify(arch: Architecture, config, model_input, backend, job, path: str, reference_stream: Callable, *,
@@ -236,7 +251,7 @@ def verify(arch: Architecture, config, model_input, backend, job, path: str, ref
         rows.append(("hidden SQNR by layer", f"last {per_layer[-1]['sqnr_db']:.1f} dB; furthest under "
                                              f"round-to-nearest: layer {worst['layer']} ({worst['sqnr_db']:.1f} vs "
                                              f"{worst['rtn_sqnr_db']:.1f} dB)"))
-    failure = verdict(check, rtn=rtn, min_cosine=min_cosine)
+    failure = verdict(check, rtn=rtn, layers=per_layer, min_cosine=min_cosine)
     size = model_input.size_bytes
     if failure is None and size <= GREEDY_LIMIT_BYTES:
         step(f"verify: {GREEDY_TOKENS} greedy tokens from each model (layer by layer)")
