@@ -50,6 +50,7 @@ from models.pipeline.calibration import calibrate, discard_saved, unreached_expe
 from models.pipeline.checks import check_headers, check_stored_types, checked_stream, expected_tensors
 from models.pipeline.gguf_output import gguf_fields
 from models.pipeline.size_budget import RECIPE_FILE, choose_recipe
+from models.pipeline.progress import Progress
 from models.pipeline.usage_error import UsageError
 
 ROW_BLOCK_BYTES = 16 << 20  # tensors over this travel as blocks of rows of at most this size
@@ -85,8 +86,9 @@ class _Tally:
 
 
 def _progress(items, total: int, desc: str, enabled: bool):
+    """A tqdm bar on a terminal (or --progress); else a line with counts and ETA every 10 s on stderr."""
     if not enabled:
-        return items
+        return Progress(desc, total, "tensors", interval=10.0).wrap(items)
     from tqdm import tqdm
 
     return tqdm(items, total=total, desc=desc, unit="tensor", file=sys.stderr, leave=False)

@@ -103,3 +103,19 @@ def test_verdict_edges():
     layer = {"layer": 3, "noise": 5.0, "rtn_noise": 1.0, "signal": 100.0, "sqnr_db": 13.0, "rtn_sqnr_db": 20.0}
     assert "after layer 3" in verdict(base, rtn=rtn, layers=[layer])
     assert verdict(base, rtn=rtn, layers=[dict(layer, noise=3.0)]) is None
+
+
+def test_progress_lines_count_and_eta():
+    import io
+
+    from models.pipeline.progress import Progress
+
+    stream = io.StringIO()
+    bar = Progress("verify", 3, "layers", stream=stream, interval=0.0)
+    list(bar.wrap(range(3)))
+    lines = stream.getvalue().splitlines()
+    assert [line.split(",")[0] for line in lines] == ["verify: 1/3 layers", "verify: 2/3 layers", "verify: 3/3 layers"]
+    assert "ETA" in lines[0] and "ETA" not in lines[-1]
+    quiet = io.StringIO()
+    list(Progress("quantize", 3, stream=quiet, interval=60.0).wrap(range(3)))
+    assert quiet.getvalue() == ""  # a step shorter than one interval prints nothing
