@@ -49,8 +49,8 @@ from models.pipeline.arch import Architecture, quantizable_module
 from models.pipeline.calibration import calibrate, discard_saved, unreached_experts
 from models.pipeline.checks import check_headers, check_stored_types, checked_stream, expected_tensors
 from models.pipeline.gguf_output import gguf_fields
-from models.pipeline.size_budget import RECIPE_FILE, choose_recipe
 from models.pipeline.progress import Progress
+from models.pipeline.size_budget import RECIPE_FILE, choose_recipe
 from models.pipeline.usage_error import UsageError
 
 ROW_BLOCK_BYTES = 16 << 20  # tensors over this travel as blocks of rows of at most this size
