@@ -240,13 +240,15 @@ class LayerwiseModel:
         return fill_module(_meta_copy(self.skeleton.model.layers[index]), tensors, f"layer {index}")
 
     @torch.no_grad()
-    def run_layer(self, layer: nn.Module, hidden: Sequence[torch.Tensor]) -> List[torch.Tensor]:
-        """The layer's outputs for each window's hidden states [B, S, D] (no cache: position 0)."""
+    def run_layer(self, layer: nn.Module, hidden: Sequence[torch.Tensor], position: int = 0,
+                  states: Optional[Sequence[Any]] = None) -> List[torch.Tensor]:
+        """The layer's outputs for each window's hidden states [B, S, D], the first at `position`;
+        states: the layer's decode state for each window (``layer.new_state()``), or None (no cache)."""
         out = []
-        for h in hidden:
-            positions = torch.arange(h.shape[1])
+        for w, h in enumerate(hidden):
+            positions = torch.arange(h.shape[1]) + position
             cos, sin = self.skeleton.rope_for(positions, h.dtype)(layer)
-            out.append(layer(h, cos, sin, 0, None))
+            out.append(layer(h, cos, sin, position, None if states is None else states[w]))
         return out
 
     @torch.no_grad()

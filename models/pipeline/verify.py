@@ -24,8 +24,8 @@ own error on this model, not a fixed cosine: a small random model whose int4 log
 given, is an extra floor.
 
 Where the checkpoint is at most GREEDY_LIMIT_BYTES, greedy tokens and the input tokenizer's text
-check run too (layer by layer: each new token re-runs the model, cheap while its file stays in the
-page cache); where it is at most WHOLE_MODEL_LIMIT_BYTES, the backend's consumer check (e.g.
+check run too (layer by layer: each new token re-reads the model's layers, cheap while its file stays in the
+page cache; each layer keeps its KV or recurrent state, so a new token runs alone); where it is at most WHOLE_MODEL_LIMIT_BYTES, the backend's consumer check (e.g.
 mlx_lm.load) and --use_moe_quantized_op, which need both models whole. Progress (layers, ETA) goes
 to stderr; the step's time is in the summary.
 """
@@ -152,12 +152,14 @@ class RoundToNearest:
 
 
 class LayerwiseLM(nn.Module):
-    """A LayerwiseModel as models.common.generation.generate and text_agreement call a model: each call
-    runs the whole sequence so far through the layers (no cache: memory stays one layer)."""
+    """A LayerwiseModel as models.common.generation.generate and text_agreement call a model
+    (``new_cache()``, ``forward(ids, cache)``): each call builds the layers one at a time again, and
+    with a cache runs only the new tokens through each (its KV or recurrent state kept per layer:
+    tokens x layers of small state, never a layer's weights)."""
 
-    class _Past:
-        def __init__(self):
-            self.ids: Optional[torch.Tensor] = None
+    class _Cache:
+        def __init__(self, states: List[Any]):
+            self.layers = states
             self.position = 0
 
     def __init__(self, model: layerwise.LayerwiseModel):
@@ -165,17 +167,19 @@ class LayerwiseLM(nn.Module):
         self.layerwise = model
 
     def new_cache(self, batch_size: int = 1):
-        return LayerwiseLM._Past()
+        return LayerwiseLM._Cache([layer.new_state() for layer in self.layerwise.skeleton.model.layers])
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, cache=None) -> torch.Tensor:
-        ids = input_ids if cache is None or cache.ids is None else torch.cat([cache.ids, input_ids], dim=1)
         model = self.layerwise
-        logits = model.logits(layerwise.run_layers(model, model.embed([ids])))[0]
+        position = 0 if cache is None else cache.position
+        hidden = model.embed([input_ids])
+        for i in range(model.num_layers):
+            with model.layer(i) as layer:
+                hidden = model.run_layer(layer, hidden, position, None if cache is None else [cache.layers[i]])
         if cache is not None:
-            cache.ids = ids
-            cache.position = ids.shape[1]
-        return logits[:, -input_ids.shape[1]:]
+            cache.position += input_ids.shape[1]
+        return model.logits(hidden)[0]
 
 
 def _quantized_side(arch: Architecture, config, backend, job, path: str) -> layerwise.LayerwiseModel:
