@@ -24,9 +24,10 @@ own error on this model, not a fixed cosine: a small random model whose int4 log
 given, is an extra floor.
 
 Where the checkpoint is at most GREEDY_LIMIT_BYTES, greedy tokens and the input tokenizer's text
-check run too (layer by layer: each new token re-reads the model's layers, cheap while its file stays in the
-page cache; each layer keeps its KV or recurrent state, so a new token runs alone); where it is at most WHOLE_MODEL_LIMIT_BYTES, the backend's consumer check (e.g.
-mlx_lm.load) and --use_moe_quantized_op, which need both models whole. Progress (layers, ETA) goes
+check run too (layer by layer: each new token re-reads the model's layers, cheap while its file
+stays in the page cache; each layer keeps its KV or recurrent state, so a new token runs alone);
+where it is at most WHOLE_MODEL_LIMIT_BYTES, the backend's consumer check (e.g. mlx_lm.load) and
+--use_moe_quantized_op, which need both models whole. Progress (layers, ETA) goes
 to stderr; the step's time is in the summary.
 """
 
