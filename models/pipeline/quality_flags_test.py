@@ -191,6 +191,8 @@ def test_gptq_rules_need_a_calibration_text_and_round_against_each_linears_input
     import json
 
     from llmq.quant import QuantConfig, quantize_weight
+    import torch
+
     from models.pipeline import calibration as calibration_module
 
     recipe = tmp_path / "gptq.json"
@@ -206,26 +208,30 @@ def test_gptq_rules_need_a_calibration_text_and_round_against_each_linears_input
     text = tmp_path / "calibration.txt"
     text.write_text(TEXT)
     seen = {}
-    real = calibration_module.collect_calibration
+    real = calibration_module.calibrate_layerwise
 
-    def spy(model, batches, **kw):
-        seen["calibration"] = real(model, batches, **kw)
-        seen["model"] = model
+    def spy(model, ids, **kw):
+        seen["calibration"] = real(model, ids, **kw)
         return seen["calibration"]
 
-    calibration_module.collect_calibration = spy
+    calibration_module.calibrate_layerwise = spy
     try:
         result = _run(tmp_path, "gptq", recipe=str(recipe), calibration_text=str(text), calibration_tokens=256,
                       error_report=False)
     finally:
-        calibration_module.collect_calibration = real
+        calibration_module.calibrate_layerwise = real
     hessians = seen["calibration"].hessians
     bundle = load_bundle(result["bundle"])
-    params = dict(seen["model"].named_parameters())
+    # The embedded default's weights as its checkpoint stores them (models/pipeline/default_model.py, seed 0, bf16).
+    torch.manual_seed(0)
+    model = GEMMA4.build_model(GEMMA4.config_from_hf(GEMMA4.tiny_hf_config()), device="cpu", dtype=torch.float32)
+    with torch.no_grad():
+        GEMMA4.prepare_default(model)
+    params = {n: t.detach().to(torch.bfloat16) for n, t in model.state_dict().items()}
     quantized = {n: v for n, v in bundle.items() if isinstance(v, GroupQuantizedWeight)}
     assert quantized
     for name, value in quantized.items():
         module = name[: -len(".weight")]
         assert module in hessians, name
-        want = quantize_weight(params[name].detach(), QuantConfig.from_dict(config), name=name, hessian=hessians[module])
+        want = quantize_weight(params[name], QuantConfig.from_dict(config), name=name, hessian=hessians[module])
         assert value.qdata.equal(want.qdata) and value.scale.equal(want.scale), name
