@@ -1,10 +1,12 @@
 """Find and load llmq's torch-free compiled extensions (`cpp/<dir>/_<name>*.so`) by file path.
 
-One search for every extension, so the same code finds a .so in a Bazel runfiles tree, in a
-source checkout, or wherever the extension's environment variable points:
+One search for every extension, so the same code finds a .so in the installed wheel, in a Bazel
+runfiles tree, in a source checkout, or wherever the extension's environment variable points:
   1. $ENV_VAR, a path to the .so (callers decide what an unusable value means),
-  2. cpp/<dir>/ relative to the repository root this file lives in (runfiles or checkout),
-  3. cpp/<dir>/ under every sys.path entry and under $RUNFILES_DIR / $TEST_SRCDIR workspaces.
+  2. llmq/_kernels/ next to this file (the pip wheel, `llmq-quant`: setup.py builds every kernel there),
+  3. cpp/<dir>/ relative to the repository root this file lives in (runfiles or checkout),
+  4. bazel-bin/cpp/<dir>/ of that checkout (what `tools/bazel build //cpp/<dir>:...` made),
+  5. cpp/<dir>/ under every sys.path entry and under $RUNFILES_DIR / $TEST_SRCDIR workspaces.
 """
 
 from __future__ import annotations
@@ -22,10 +24,15 @@ _load_lock = threading.Lock()
 _loaded: Dict[Tuple[str, str], ModuleType] = {}  # (module name, real path) -> the module
 
 
+def wheel_dir() -> str:
+    """Where the pip wheel puts every compiled kernel (setup.py)."""
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "_kernels")
+
+
 def candidate_dirs(subdir: str) -> List[str]:
     here = os.path.dirname(os.path.abspath(__file__))
     repo_root = os.path.normpath(os.path.join(here, "..", ".."))
-    dirs = [os.path.join(repo_root, "cpp", subdir)]
+    dirs = [wheel_dir(), os.path.join(repo_root, "cpp", subdir), os.path.join(repo_root, "bazel-bin", "cpp", subdir)]
     dirs += [os.path.join(entry, "cpp", subdir) for entry in sys.path if entry]
     for var in ("RUNFILES_DIR", "TEST_SRCDIR"):
         root = os.environ.get(var)

@@ -1,11 +1,14 @@
 """Find and load the compiled MoE kernel (`_moe_kernel*.so`, Bazel target //cpp/moe:_moe_kernel.so).
 
-The extension is torch-free and is loaded by file path, so the same code finds it in a
-Bazel runfiles tree, in a source checkout, or wherever `LLMQ_MOE_KERNEL` points.
-Search order:
+The extension is loaded by file path, so the same code finds it in the installed wheel, a
+Bazel runfiles tree, a source checkout, or wherever `LLMQ_MOE_KERNEL` points. Without it the op's
+CPU kernel raises MoEKernelUnavailable naming what is missing (no fallback). Search order
+(llmq/_extensions.py):
   1. $LLMQ_MOE_KERNEL (a path to the .so; an error if it is set but missing),
-  2. cpp/moe/ relative to the repository root this file lives in (runfiles or checkout),
-  3. cpp/moe/ under every sys.path entry and under $RUNFILES_DIR / $TEST_SRCDIR workspaces.
+  2. llmq/_kernels/ (the pip wheel `llmq-quant`),
+  3. cpp/moe/ relative to the repository root this file lives in (runfiles or checkout),
+  4. bazel-bin/cpp/moe/ of that checkout,
+  5. cpp/moe/ under every sys.path entry and under $RUNFILES_DIR / $TEST_SRCDIR workspaces.
 """
 
 from __future__ import annotations
@@ -55,7 +58,8 @@ def load_kernel() -> ModuleType:
     detail = "; ".join(problems) if problems else "searched " + ", ".join(candidate_dirs("moe")[:4]) + ", ..."
     _error = (
         f"the compiled MoE kernel _moe_kernel.so ({_TARGET}) is not available: {detail}. "
-        f"Build it with Bazel (depend on {_TARGET}) or set {ENV_VAR}=/path/to/_moe_kernel.so"
+        f"Build it with Bazel (depend on {_TARGET}), install the llmq-quant wheel (pip install .), "
+        f"or set {ENV_VAR}=/path/to/_moe_kernel.so"
     )
     raise MoEKernelUnavailable(_error)
 

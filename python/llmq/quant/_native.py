@@ -3,15 +3,21 @@
 The kernel reproduces the torch reference in `llmq.quant.quantize` bit for bit (same float32
 operations in the same order; docs/formats.md, "Performance"), so using it or not changes
 speed only. It is torch-free and loaded by file path; when it cannot be found or loaded,
-`quantize_weight` quietly uses the torch path. Search order:
+`quantize_weight` uses the torch path and says so once per process (a `NativeKernelFallback` warning
+naming the reason; `native_kernel_error()` returns it). LLMQ_QUANT_KERNEL=off chooses the torch path
+without the warning; LLMQ_QUANT_KERNEL=required makes a missing kernel an error. Search order
+(llmq/_extensions.py):
   1. $LLMQ_QUANT_KERNEL: a path to the .so, or "off" / "0" to disable the kernel,
-  2. cpp/quant/ relative to the repository root this file lives in (runfiles or checkout),
-  3. cpp/quant/ under every sys.path entry and under $RUNFILES_DIR / $TEST_SRCDIR workspaces.
+  2. llmq/_kernels/ (the pip wheel `llmq-quant`),
+  3. cpp/quant/ relative to the repository root this file lives in (runfiles or checkout),
+  4. bazel-bin/cpp/quant/ of that checkout,
+  5. cpp/quant/ under every sys.path entry and under $RUNFILES_DIR / $TEST_SRCDIR workspaces.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from types import ModuleType
 from typing import Optional, Tuple
 
@@ -21,6 +27,7 @@ from llmq._extensions import find_extension, load_first
 
 ENV_VAR = "LLMQ_QUANT_KERNEL"
 _DISABLED = ("off", "0", "none", "false")
+_REQUIRED = "required"
 _INPUT_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 _module: Optional[ModuleType] = None
@@ -28,27 +35,44 @@ _error: Optional[str] = None
 _threads = 0  # 0 = all hardware threads
 
 
+class NativeKernelFallback(RuntimeWarning):
+    """The compiled quantization kernel did not load; llmq.quant runs its torch reference (same results)."""
+
+
+class NativeKernelMissing(RuntimeError):
+    """LLMQ_QUANT_KERNEL=required and the compiled quantization kernel did not load."""
+
+
 def _load() -> Optional[ModuleType]:
-    """The extension module, or None (the reason is kept for native_kernel_error())."""
+    """The extension module, or None (the reason is kept for native_kernel_error() and stated once)."""
     global _module, _error
-    if _module is not None or _error is not None:
-        return _module
     env = os.environ.get(ENV_VAR, "")
+    if _module is not None or _error is not None:
+        if _module is None and env.lower() == _REQUIRED:
+            raise NativeKernelMissing(f"{ENV_VAR}=required: the compiled quantization kernel did not load: {_error}")
+        return _module
     if env.lower() in _DISABLED and env:
         _error = f"disabled by {ENV_VAR}={env}"
         return None
-    if env:
+    if env and env.lower() != _REQUIRED:
         paths = [env] if os.path.isfile(env) else []
         if not paths:
             _error = f"{ENV_VAR}={env} does not name a file (expected the built _quant_kernel.so)"
-            return None
     else:
         paths = find_extension("quant", "_quant_kernel")
-    module, problems = load_first("_quant_kernel", paths)
+    module, problems = load_first("_quant_kernel", paths) if paths else (None, [])
     if module is not None:
         _module = module
         return module
-    _error = "; ".join(problems) if problems else "no cpp/quant/_quant_kernel*.so found (build //cpp/quant:_quant_kernel.so)"
+    if _error is None:
+        _error = "; ".join(problems) if problems else "no _quant_kernel*.so found in llmq/_kernels, cpp/quant or bazel-bin/cpp/quant"
+    how = ("build //cpp/quant:_quant_kernel.so with Bazel or install the llmq-quant wheel (pip install .), "
+           f"or set {ENV_VAR}=/path/to/_quant_kernel.so")
+    if env.lower() == _REQUIRED:
+        raise NativeKernelMissing(f"{ENV_VAR}=required: the compiled quantization kernel did not load: {_error}; {how}")
+    warnings.warn(f"llmq: the compiled quantization kernel did not load ({_error}); using the torch reference "
+                  f"(same results, slower). To use the kernel, {how}; {ENV_VAR}=off silences this.",
+                  NativeKernelFallback, stacklevel=3)
     return None
 
 
