@@ -230,18 +230,17 @@ class PteRunner:
     """The .pte's methods through executorch.runtime, with export_pt2's step signatures."""
 
     def __init__(self, path: str, moe_kernel: bool = False):
-        """moe_kernel: the program calls llmq::quantized_moe_ffn.out; load its kernel library first."""
+        """moe_kernel: the program calls llmq::quantized_moe_ffn.out; load its kernel library first (done
+        anyway when the file names the op; a missing library is one clear error, not ExecuTorch's 0x14)."""
         require_executorch()
-        from executorch.runtime import Runtime
+        from llmq.ops.executorch_kernel import load_executorch_kernel, load_method, load_program
 
         start = time.perf_counter()
         if moe_kernel:
-            from models.pipeline.moe_pte import load_executorch_kernel
-
             load_executorch_kernel()
-        self.program = Runtime.get().load_program(path)
-        self.prefill_method = self.program.load_method("prefill")
-        self.decode_method = self.program.load_method("decode")
+        self.program = load_program(path)
+        self.prefill_method = load_method(self.program, "prefill", path)
+        self.decode_method = load_method(self.program, "decode", path)
         self.load_seconds = time.perf_counter() - start
 
     def prefill(self, input_ids: torch.Tensor):

@@ -7,9 +7,9 @@
   functional op, copied into `out`) and a fake kernel, so the pass finds it.
 * At run time the .pte calls the kernel registered under `llmq::quantized_moe_ffn.out` by
   //cpp/moe:_moe_executorch_kernel.so (cpp/moe/moe_executorch_op.cc: the same torch-free C++ kernel as
-  the torch op, so the same numbers). `load_executorch_kernel()` loads that library into the process
-  after executorch's Python runtime, whose libexecutorch.so it links; its static initializer registers
-  the kernel there.
+  the torch op, so the same numbers). `load_executorch_kernel()` (llmq/ops/executorch_kernel.py) loads
+  that library into the process after executorch's Python runtime, whose libexecutorch.so it links; its
+  static initializer registers the kernel there.
 
 The MoE blocks are swapped as for `--use_moe_quantized_op` (models/pipeline/moe_op_swap.py): the bundle's
 expert stacks repacked into the kernel's tile layout, never re-quantized; the shared expert stays
@@ -18,17 +18,19 @@ next to the op (and becomes 8da linears with the rest of the model).
 
 from __future__ import annotations
 
-import ctypes
-import os
-from typing import List, Optional
+from typing import List
 
 import torch
 
-from llmq._extensions import find_extension
-
-OUT_OP = "llmq::quantized_moe_ffn.out"
-KERNEL_ENV_VAR = "LLMQ_MOE_EXECUTORCH_KERNEL"
-KERNEL_TARGET = "//cpp/moe:_moe_executorch_kernel.so"
+# the kernel library's loader lives with the op (llmq.ops); re-exported for the pipeline's callers
+from llmq.ops.executorch_kernel import (  # noqa: F401
+    KERNEL_ENV_VAR,
+    KERNEL_TARGET,
+    OUT_OP,
+    MoEExecuTorchKernelUnavailable,
+    kernel_paths,
+    load_executorch_kernel,
+)
 
 _OUT_SCHEMA = (
     "quantized_moe_ffn.out(Tensor x, Tensor router_weight, Tensor? expert_bias, Tensor w13_qdata, Tensor w13_sb, "
@@ -37,10 +39,6 @@ _OUT_SCHEMA = (
     "Tensor? shared_w2_qdata=None, Tensor? shared_w2_sb=None, Tensor? shared_gate_weight=None, "
     "int shared_bits=4, int shared_group_size=32, int num_threads=0, *, Tensor(a!) out) -> Tensor(a!)"
 )
-
-
-class MoEExecuTorchKernelUnavailable(RuntimeError):
-    """//cpp/moe:_moe_executorch_kernel.so is not built or does not load into executorch's runtime."""
 
 
 def _define_out_variant() -> None:
@@ -66,45 +64,6 @@ def _define_out_variant() -> None:
 
 _LIBS: List[torch.library.Library] = []
 _define_out_variant()
-
-_loaded: Optional[str] = None
-
-
-def kernel_paths() -> List[str]:
-    env = os.environ.get(KERNEL_ENV_VAR)
-    if env:
-        if not os.path.isfile(env):
-            raise MoEExecuTorchKernelUnavailable(f"{KERNEL_ENV_VAR}={env} does not name a file "
-                                                 "(expected the built _moe_executorch_kernel.so)")
-        return [env]
-    return find_extension("moe", "_moe_executorch_kernel")
-
-
-def load_executorch_kernel() -> str:
-    """Register llmq::quantized_moe_ffn.out with executorch's runtime (once); returns the library's path.
-    Raises MoEExecuTorchKernelUnavailable naming what is missing."""
-    global _loaded
-    if _loaded is not None:
-        return _loaded
-    from executorch.extension.pybindings import portable_lib  # loads the runtime (libexecutorch.so) first
-
-    problems = []
-    for path in kernel_paths():
-        try:
-            ctypes.CDLL(path)
-        except OSError as e:
-            problems.append(f"{path}: {e}")
-            continue
-        if OUT_OP not in portable_lib._get_operator_names():
-            problems.append(f"{path} loaded but {OUT_OP} is not in executorch's operator registry (a second "
-                            "libexecutorch.so? build it against the installed executorch)")
-            continue
-        _loaded = path
-        return path
-    detail = "; ".join(problems) or "not found under cpp/moe in the runfiles or the checkout"
-    raise MoEExecuTorchKernelUnavailable(f"the ExecuTorch MoE kernel {KERNEL_TARGET} is not available: {detail}. "
-                                         f"Build it with Bazel (needs executorch installed) or set {KERNEL_ENV_VAR}")
-
 
 def op_nodes(program) -> int:
     """How many calls of the op (functional or out variant) a program's graph holds."""
