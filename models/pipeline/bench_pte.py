@@ -2,7 +2,7 @@
 
     bazel run //models/pipeline:bench_pte -- --arch=gemma3 --checkpoint=$PWD/gemma-3-270m-q4_k_m.gguf
         [--recipe=int4-e8] [--prompt_len=64] [--decode_steps=32] [--max_seq_len=128] [--repeat=3]
-        [--out=$PWD/gemma3.pte [--reuse_pte]] [--prompt="The capital of France is"] [--text_tokens=24]
+        [--out=$PWD/gemma3.pte [--reuse_pte]] [--prompt="The capital of France is" --prompt=...] [--text_tokens=32]
 
 Both sides hold the same quantized weights (the bundle's codes and scales) and the same static cache
 (export_pt2's steps, float32 activations): "eager llmq" is the quantized model's own PrefillStep /
@@ -11,6 +11,11 @@ run by executorch.runtime. One round is a prefill of --prompt_len tokens then --
 steps fed the eager model's greedy tokens; rounds alternate eager and .pte, best of --repeat. Load:
 eager = read the bundle and build the model; .pte = Runtime.load_program + both methods. Needs
 executorch (optional: docs/executorch.md).
+
+Agreement on text (where the checkpoint has a tokenizer), for every --prompt: both sides continue it
+greedily for --text_tokens tokens ("diverges at" = the first generated token where the .pte's choice
+differs from eager llmq's), and the .pte is teacher-forced along eager's continuation ("top-1" = the
+share of those positions where the .pte's argmax is eager's token).
 """
 
 from __future__ import annotations
@@ -31,9 +36,16 @@ from models.pipeline.quantized_model import QuantizedExperts, build_quantized_mo
 
 flags.DEFINE_string("arch", "gemma3", "Model package under models/: gemma3, gemma4 or qwen.")
 flags.DEFINE_integer("repeat", 3, "Rounds per side (best is reported).", lower_bound=1)
-flags.DEFINE_string("prompt", "The capital of France is", "Text both sides continue greedily (where the checkpoint "
-                    "has a tokenizer), printed side by side.")
-flags.DEFINE_integer("text_tokens", 24, "Tokens of that greedy continuation.", lower_bound=1)
+DEFAULT_PROMPTS = [
+    "The capital of France is",
+    "Once upon a time, in a small village by the sea,",
+    "To make a good cup of tea, you should",
+    "The three laws of motion state that",
+    "def fibonacci(n):",
+]
+flags.DEFINE_multi_string("prompt", DEFAULT_PROMPTS, "Texts both sides continue greedily (where the checkpoint has a "
+                          "tokenizer); repeat the flag for several.")
+flags.DEFINE_integer("text_tokens", 32, "Tokens of each greedy continuation.", lower_bound=1)
 flags.DEFINE_boolean("reuse_pte", False, "Load the .pte at --out (written by an earlier run with the same "
                      "--checkpoint, --recipe and --max_seq_len) instead of exporting again.")
 # --checkpoint, --recipe, --out (the .pte; default temporary) are quantize_and_save's flags, --prompt_len,
@@ -73,8 +85,33 @@ def _greedy(prefill, decode, ids, new_tokens: int, eos) -> list:
     return out
 
 
+@torch.no_grad()
+def _forced_top1(prefill, decode, ids, tokens: list) -> list:
+    """The argmax at each of len(tokens) positions when `tokens` (another side's continuation) are fed."""
+    logits, cache = prefill(torch.tensor([ids]))
+    top, position = [], len(ids)
+    for i, token in enumerate(tokens):
+        top.append(int(logits[0, -1].argmax()))
+        if i + 1 < len(tokens):
+            logits, cache = decode(torch.tensor([[token]]), torch.tensor(position, dtype=torch.long), tuple(cache))
+            position += 1
+    return top
+
+
+def text_agreement(eager_steps, pte_steps, ids, new_tokens: int, eos) -> dict:
+    """Free-running greedy divergence and teacher-forced top-1 agreement of the .pte against eager llmq."""
+    eager = _greedy(*eager_steps, ids, new_tokens, eos)
+    pte = _greedy(*pte_steps, ids, new_tokens, eos)
+    diverges = next((i for i, (a, b) in enumerate(zip(eager, pte)) if a != b), None)
+    if diverges is None and len(eager) != len(pte):
+        diverges = min(len(eager), len(pte))
+    forced = _forced_top1(*pte_steps, ids, eager)
+    return {"eager": eager, "pte": pte, "diverges_at": diverges,
+            "top1": sum(int(a == b) for a, b in zip(forced, eager)), "positions": len(eager)}
+
+
 def bench(arch_name: str, *, checkpoint, recipe, prompt_len: int, decode_tokens: int, max_seq_len: int, repeat: int,
-          out, reuse_pte: bool = False, text: str = "", text_tokens: int = 24) -> list:
+          out, reuse_pte: bool = False, texts: tuple = (), text_tokens: int = 32) -> list:
     arch = importlib.import_module(f"models.{arch_name}.architecture").ARCHITECTURE
     layout_module = importlib.import_module(f"models.{arch_name}.export_pt2")
     if prompt_len + decode_tokens > max_seq_len:
@@ -107,16 +144,21 @@ def bench(arch_name: str, *, checkpoint, recipe, prompt_len: int, decode_tokens:
         lower_s = time.perf_counter() - start
     del model
     pte = export_pte.PteRunner(out, moe_kernel=counts["moe_op_blocks"] > 0)
-    texts = []
-    if text and checkpoint is not None and has_tokenizer(checkpoint):
+    text_rows = []
+    if texts and checkpoint is not None and has_tokenizer(checkpoint):
         tok = load_tokenizer(checkpoint)
-        ids = tok.encode(text)
         eos = {tok.eos_token_id} if tok.eos_token_id is not None else set()
-        if len(ids) + text_tokens > max_seq_len:
-            raise SystemExit(f"--prompt ({len(ids)} tokens) + --text_tokens {text_tokens} exceeds --max_seq_len")
-        generated = [_greedy(*steps, ids, text_tokens, eos) for steps in (eager_steps, (pte.prefill, pte.decode))]
-        texts.append((f"greedy: {text!r} ->", *(repr(tok.decode(g)) for g in generated),
-                      "same tokens" if generated[0] == generated[1] else "differs"))
+        top1 = positions = 0
+        for text in texts:
+            ids = tok.encode(text)
+            if len(ids) + text_tokens > max_seq_len:
+                raise SystemExit(f"--prompt {text!r} ({len(ids)} tokens) + --text_tokens {text_tokens} exceeds --max_seq_len")
+            a = text_agreement(eager_steps, (pte.prefill, pte.decode), ids, text_tokens, eos)
+            top1, positions = top1 + a["top1"], positions + a["positions"]
+            where = "same tokens" if a["diverges_at"] is None else f"diverges at token {a['diverges_at'] + 1}"
+            text_rows += [(f"greedy: {text!r} ->", repr(tok.decode(a["eager"])), repr(tok.decode(a["pte"])), where),
+                          ("  teacher-forced top-1 (.pte = eager)", "", f"{a['top1']}/{a['positions']}", "")]
+        text_rows.append((f"teacher-forced top-1, {len(texts)} prompts", "", f"{top1}/{positions} = {top1 / positions:.3f}", ""))
 
     best = {"eager": [float("inf")] * 2, "pte": [float("inf")] * 2}
     outputs = {}
@@ -144,7 +186,7 @@ def bench(arch_name: str, *, checkpoint, recipe, prompt_len: int, decode_tokens:
         ("8da linears / MoE op blocks", "", f"{counts['linears']} / {counts['moe_op_blocks']}", ""),
         ("prefill argmax agreement", "", f"{agree:.3f}", ""),
         ("max |logit diff| / max |logit|", "", f"{diff / scale:.2e} (max |logit| {scale:.2f})", ""),
-    ] + texts
+    ] + text_rows
 
 
 def main(argv):
@@ -152,7 +194,7 @@ def main(argv):
     export_pte.require_executorch()
     rows = bench(FLAGS.arch, checkpoint=FLAGS.checkpoint, recipe=FLAGS.recipe, prompt_len=FLAGS.prompt_len,
                  decode_tokens=FLAGS.decode_steps, max_seq_len=FLAGS.max_seq_len, repeat=FLAGS.repeat, out=FLAGS.out,
-                 reuse_pte=FLAGS.reuse_pte, text=FLAGS.prompt, text_tokens=FLAGS.text_tokens)
+                 reuse_pte=FLAGS.reuse_pte, texts=tuple(FLAGS.prompt), text_tokens=FLAGS.text_tokens)
     print(f"threads: torch {torch.get_num_threads()}; load average {os.getloadavg()[0]:.1f}; .pte {FLAGS.out or '(temporary)'}")
     widths = [max(len(str(r[i])) for r in rows) for i in range(4)]
     for r in rows:
