@@ -9,7 +9,8 @@ Importing torchao (llmq.quant's torchao converters, the .pte export) logs, on ev
     torch.compile ..." (torchao 0.18 registers an Enum with pytree, a deprecation note for torchao).
 They look like failures and are not. Only these messages are dropped: a torchao library that should load
 here (its CPU kernels, a CUDA library where torch has CUDA) still logs its failure. Set
-LLMQ_SHOW_HARMLESS_LOGS=1 to see them. llmq/__init__.py installs the filters (a logging.Filter per logger,
+LLMQ_SHOW_HARMLESS_LOGS=1 to see them. Importing llmq.quant (which every torchao and ExecuTorch path of llmq
+imports first) installs the filters (a logging.Filter per logger,
 one `warnings` filter by message; no third-party import).
 """
 

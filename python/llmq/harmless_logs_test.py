@@ -5,7 +5,7 @@ import warnings
 
 import pytest
 
-import llmq  # noqa: F401  (installs the filters)
+import llmq.quant  # noqa: F401  (installs the filters)
 from llmq import harmless_logs
 
 SITE = "/venv/lib/python3.11/site-packages"

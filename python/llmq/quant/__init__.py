@@ -3,9 +3,11 @@ its container and math), recipes, quantize_weight / dequantize (the front door, 
 model / stream application, and exact converters at the edges (docs/formats.md).
 
 The torchao converters (`to_torchao`, `from_torchao`, the "int" family's) import torchao on
-first use, so that `import llmq.quant` does not import torchao.
+first use, so that `import llmq.quant` does not import torchao; importing llmq.quant drops torchao's
+known-harmless log lines first (llmq/harmless_logs.py).
 """
 
+from llmq import harmless_logs as _harmless_logs
 from llmq.quant._native import native_kernel_available
 from llmq.quant.formats import (
     Format,
@@ -27,6 +29,8 @@ from llmq.quant.quantize import dequantize, quantize_weight
 from llmq.quant.quantize_model import QuantizationReport, ReportEntry, quantize_model
 from llmq.quant.recipe import QuantConfig, QuantRecipe, QuantRule
 from llmq.quant.stream import quantize_stream
+
+_harmless_logs.install()  # before any torchao import (all lazy, in the converters)
 
 __all__ = [
     "QuantConfig",
