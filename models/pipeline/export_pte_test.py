@@ -30,6 +30,9 @@ Error bounds used below, derived from that arithmetic (x one token's input, W_n 
 """
 
 import contextlib
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -266,6 +269,14 @@ def test_moe_block_pte_equals_the_torch_op(tmp_path):
     assert targets.count("llmq.quantized_moe_ffn.out") == 1, targets
     path = tmp_path / "block.pte"
     path.write_bytes(manager.buffer)
+    # without the kernel library (a fresh process), llmq says what to load instead of ExecuTorch's "error: 0x14"
+    code = ("import sys\nfrom executorch.runtime import Runtime\nfrom llmq.ops import executorch_kernel as ek\n"
+            "program = Runtime.get().load_program(sys.argv[1])\n"
+            "try:\n    ek.load_method(program, 'forward', sys.argv[1])\n"
+            "except ek.MoEExecuTorchKernelUnavailable as e:\n    print('CLEAR:', e)\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    run = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, env=env, timeout=600)
+    assert "CLEAR:" in run.stdout and "load_executorch_kernel()" in run.stdout, run.stdout + run.stderr
     moe_pte.load_executorch_kernel()
     method = Runtime.get().load_program(str(path)).load_method("forward")
     for t in (5, 1, 16):

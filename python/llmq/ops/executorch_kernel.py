@@ -7,7 +7,7 @@ is loaded. A plain ExecuTorch user needs two lines before loading such a program
     from llmq.ops.executorch_kernel import load_executorch_kernel
     load_executorch_kernel()        # then executorch.runtime.Runtime.get().load_program("model.pte")
 
-Without them ExecuTorch says only `Failed to load method prefill, error: 0x14` (0x14 is its
+Without them ExecuTorch says only `Failed to load method prefill, error: 0x:14` (0x14 is its
 Error::OperatorMissing); `load_program` here says which operator and what to load. Search order for the
 library (llmq/_extensions.py): $LLMQ_MOE_EXECUTORCH_KERNEL, llmq/_kernels/ (the wheel, when it was built
 with executorch installed), cpp/moe/ (Bazel runfiles, a checkout), bazel-bin/cpp/moe/ (what
@@ -19,13 +19,18 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import re
 from typing import List, Optional
 
 from llmq._extensions import candidate_dirs, find_extension
 
 OUT_OP = "llmq::quantized_moe_ffn.out"
+OP_NAME = "llmq::quantized_moe_ffn"  # a .pte's operator table holds the name and the overload ("out") apart
 KERNEL_ENV_VAR = "LLMQ_MOE_EXECUTORCH_KERNEL"
 KERNEL_TARGET = "//cpp/moe:_moe_executorch_kernel.so"
+
+# executorch 1.5.1 prints "Failed to load method prefill, error: 0x:14" (Error::OperatorMissing)
+_OPERATOR_MISSING = re.compile(r"error: 0x:?14\b")
 
 _loaded: Optional[str] = None
 
@@ -85,7 +90,7 @@ def program_calls_op(path: str) -> bool:
         if os.fstat(f.fileno()).st_size == 0:
             return False
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-            return m.find(OUT_OP.encode()) >= 0
+            return m.find(OP_NAME.encode()) >= 0
 
 
 def load_program(path: str):
@@ -103,7 +108,7 @@ def load_method(program, name: str, path: str = "<program>"):
     try:
         return program.load_method(name)
     except RuntimeError as e:
-        if "0x14" in str(e) and os.path.isfile(path) and program_calls_op(path) and not _registered():
+        if _OPERATOR_MISSING.search(str(e)) and os.path.isfile(path) and program_calls_op(path) and not _registered():
             raise MoEExecuTorchKernelUnavailable(
                 f"{path}: method {name} calls {OUT_OP}, which is not registered with executorch's runtime "
                 "(ExecuTorch: error 0x14, OperatorMissing); call llmq.ops.executorch_kernel.load_executorch_kernel() "
