@@ -45,7 +45,8 @@ def _fp_mixed(tmp_path):
 
 
 @pytest.mark.parametrize("arch,backend,recipe,min_cosine", [
-    (QWEN, "hf-modelopt", "nvfp4", 0.98),
+    (QWEN, "hf-modelopt", "fp8", 0.98),
+    (QWEN, "hf-compressed-tensors", "nvfp4", 0.98),
     (QWEN, "hf-compressed-tensors", "fp-mixed", 0.98),
     (GEMMA4, "hf-compressed-tensors", "mxfp4", 0.9),
     (GEMMA4, "hf-modelopt", "fp8", 0.99),
@@ -131,8 +132,11 @@ def test_refusals_before_any_work(tmp_path):
     known = re.escape(", ".join(backend_names()))  # every registered backend, the bundle first
     with pytest.raises(UsageError, match=rf"--backend: backend 'hf' unknown; expected one of {known}$"):
         _run(QWEN, tmp_path, "hf", "nvfp4")
-    with pytest.raises(UsageError, match=r"format 'nvfp4' cannot be written by --backend mlx; it takes int"):
-        _run(GEMMA4, tmp_path, "mlx", "nvfp4")
+    with pytest.raises(UsageError, match=r"format 'fp8' cannot be written by --backend mlx; it takes int"):
+        _run(GEMMA4, tmp_path, "mlx", "fp8")
+    with pytest.raises(UsageError, match=r"^--backend hf-modelopt: recipe rule .* is nvfp4, which ModelOpt's readers "
+                                         r".* load only with a calibrated input_scale \(W4A4\)"):
+        _run(QWEN, tmp_path, "hf-modelopt", "nvfp4")
     assert not os.listdir(tmp_path)
 
 
@@ -169,8 +173,8 @@ def test_cli_writes_then_refuses_an_existing_out_and_lists_backends(tmp_path):
 
 @pytest.mark.parametrize("arch,backend,recipe", [
     (QWEN, "hf-compressed-tensors", "fp-mixed"),
-    (GEMMA4, "hf-modelopt", "nvfp4"),
-    (GEMMA4, "hf-compressed-tensors", "fp8"),
+    (GEMMA4, "hf-modelopt", "mxfp8"),
+    (GEMMA4, "hf-compressed-tensors", "nvfp4"),
 ], ids=lambda v: getattr(v, "name", v))
 def test_row_blocks_write_the_files_of_whole_tensors(arch, backend, recipe, tmp_path, monkeypatch):
     """The HF exports take large tensors as row blocks (run.ROW_BLOCK_BYTES); with 1 KiB blocks

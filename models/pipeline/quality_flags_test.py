@@ -98,7 +98,7 @@ def test_bad_calibration_text_and_budget_are_one_line(tmp_path):
     with pytest.raises(UsageError, match=r"--budget_bits_per_weight: budget 1.5 bits per weight is below"):
         _run(tmp_path, "c", budget_bits_per_weight=1.5)
     with pytest.raises(UsageError, match=r"--budget_bits_per_weight: --backend hf-modelopt writes no integer format"):
-        _run(tmp_path, "d", recipe="nvfp4", backend="hf-modelopt", budget_bits_per_weight=4.5)
+        _run(tmp_path, "d", recipe="fp8", backend="hf-modelopt", budget_bits_per_weight=4.5)
     assert not any(os.path.exists(tmp_path / d) for d in "acd")  # nothing written
 
 

@@ -66,7 +66,7 @@ CASES = [  # (architecture, backend, recipe, budget)
     (GEMMA4, "cuda", "int4", None),
     (GEMMA4, "hf-compressed-tensors", "int4", None),
     (GEMMA4, "hf-compressed-tensors", "nvfp4", None),
-    (GEMMA4, "hf-modelopt", "nvfp4", None),
+    (GEMMA4, "hf-modelopt", "mxfp4", None),
     (QWEN, "bundle", "mixed", None),
     (QWEN, "mlx", "int4", None),
 ]

@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tupl
 
 import torch
 
-from llmq.backend import Backend, WriteJob, register_backend
+from llmq.backend import Backend, BackendError, WriteJob, register_backend
 from llmq.quant.formats import format_names, get_format
 from llmq.quant.storage import Storage
 
@@ -126,6 +126,20 @@ class HfExportBackend(Backend):
     def storage(self, config: Any, job: Optional[WriteJob]) -> Storage:
         return hf_storage(config, self.style)
 
+    def check(self, job: WriteJob) -> None:
+        """ModelOpt NVFP4 is refused: what llmq writes is weight-only (W4A16_NVFP4, no input_scale), and
+        ModelOpt's NVFP4 readers (vLLM, TensorRT-LLM, compressed-tensors' ModelOptNvfp4Converter) take
+        W4A4 NVFP4 with a calibrated input_scale per module; transformers has no ModelOpt reader."""
+        if self.style != "modelopt":
+            return
+        for rule in getattr(job.recipe, "rules", ()):
+            if rule.config is not None and rule.config.format == "nvfp4":
+                raise BackendError(
+                    f"--backend {self.name}: recipe rule {rule.pattern!r} is nvfp4, which ModelOpt's readers (vLLM, "
+                    "TensorRT-LLM, compressed-tensors' ModelOptNvfp4Converter) load only with a calibrated input_scale "
+                    "(W4A4) and llmq writes weight-only NVFP4; use --backend hf-compressed-tensors (NVFP4A16, loaded by "
+                    "transformers and vLLM)")
+
     def written_bits(self, path: str) -> Tuple[int, int]:
         """(bits, weights) of the weights the export quantized into `path` (counted by `storage`)."""
         return self._written.pop(path, (0, 0))
@@ -157,6 +171,9 @@ class HfExportBackend(Backend):
             return []
         rows = [("quantized modules", f"{s.quantized_modules} ({self.style} style)"),
                 ("kept in high precision", f"{len(s.excluded_modules)} modules")]
+        if s.model_dtype:
+            rows.append(("model dtype", f"{s.model_dtype} in config.json (compressed-tensors unpacks FP4 weights to "
+                                        "bfloat16; transformers' default load then runs)"))
         if s.resumed_tensors:
             rows.append(("resumed", f"{s.resumed_tensors} tensors from an interrupted run's shards"))
         from llmq.export import consumer_warnings
@@ -173,23 +190,57 @@ class HfExportBackend(Backend):
         return job.from_hf(dict(read_export(path, dtype=_high_precision_dtype(path))))
 
     def check_consumer(self, path: str, job: WriteJob, reference, quantized, prompt: torch.Tensor):
-        """Every quantized module read back as the consumer would, against the unquantized weights
-        it came from (llmq.export.verify_export: within each format's error bound), and the known
-        consumers that misread this layout (one warning line each)."""
+        """Every quantized module read back by the consumer's formula, against the unquantized weights it
+        came from (llmq.export.verify_export: within each format's error bound); then transformers itself
+        loads the folder in a process without llmq (llmq.consumer_run) and its logits for `prompt` are
+        compared with llmq's model on the read-back weights. A consumer that disagrees fails the run
+        unless consumer_warnings already names it (a known misread)."""
         from llmq.export import iter_module_weights, verify_export
 
         hf_items = (item for name, value in reference.state_dict().items()
                     for item in job.to_hf(name, value).items())
         report = verify_export(path, reference=dict(iter_module_weights(hf_items)))
         worst = max(report.max_error.items(), key=lambda kv: kv[1], default=None)
-        rows = [("read back as consumer", f"{len(report.modules)} quantized modules ({self.style} config), "
+        rows = [("read back by its formula", f"{len(report.modules)} quantized modules ({self.style} config), "
                  + (f"largest |error| {worst[1]:.3g} ({worst[0]})" if worst else "no float reference")
                  + ("" if report.ok else f"; {len(report.problems)} problem(s)"))]
         rows += [("problem", p) for p in report.problems[:5]]
         result = {"export_problems": list(report.problems), "consumer_warnings": list(report.warnings)}
         if not report.ok:
             result["failure"] = f"the folder read back as its consumer reads it: {report.problems[0]}"
+        line, tried = try_transformers(path, quantized, prompt)
+        if self.style == "modelopt":
+            line += "; vLLM, TensorRT-LLM: not tried"
+        rows.append(("consumer", line))
+        result["consumer"] = tried
+        if tried.get("agrees") is False and not report.warnings and "failure" not in result:
+            result["failure"] = f"transformers reads {path} differently from llmq (logits cosine {tried['cosine']:.4f})"
         return rows, result
+
+
+# The consumer runs the folder's own weights: what separates its logits from llmq's model on the same
+# weights is its arithmetic (bfloat16 for a bfloat16 config), cosine > 0.999 on the tiny models; a
+# misread weight gives far less (ModelOpt FP8 codes taken as weights: 0.06).
+CONSUMER_MIN_COSINE = 0.99
+
+
+def try_transformers(path: str, quantized, prompt: torch.Tensor) -> Tuple[str, Dict[str, Any]]:
+    """(summary text, numbers): transformers' from_pretrained + forward + generate on the folder, in a
+    process without llmq, its logits against `quantized` (llmq's model on the read-back weights)."""
+    from llmq.consumer_run import run_consumer
+
+    tried = run_consumer("transformers", path, prompt[0].tolist(), new_tokens=8)
+    numbers: Dict[str, Any] = {"consumer": "transformers", "version": tried.version, "ok": tried.ok,
+                               "error": tried.error, "tokens": tried.tokens}
+    if not tried.ok:
+        return tried.line(), numbers
+    with torch.no_grad():
+        ours = quantized(prompt)[0].float()
+    cos = torch.nn.functional.cosine_similarity(ours.double().flatten(), tried.logits.double().flatten(), dim=0).item()
+    numbers.update(cosine=cos, agrees=cos >= CONSUMER_MIN_COSINE, dtype=tried.details.get("dtype"))
+    verdict = "agrees with" if numbers["agrees"] else "MISREADS the folder: differs from"
+    return (f"{tried.line()} ({tried.details.get('dtype')}); logits cosine {cos:.4f} vs llmq's read-back, "
+            f"{verdict} it"), numbers
 
 
 register_backend(HfExportBackend(

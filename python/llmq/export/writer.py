@@ -85,6 +85,24 @@ class ExportSummary:
     shards: List[str] = dataclasses.field(default_factory=list)
     resumed_tensors: int = 0  # tensors taken from an interrupted run's completed shards
     seconds: float = 0.0
+    model_dtype: Optional[str] = None  # config.json "dtype" where the consumer needs one (ct_model_dtype)
+
+
+# compressed-tensors' packed FP4 decompressors (NVFP4PackedCompressor and MXFP4PackedCompressor, 0.20)
+# unpack the codes to bfloat16 whatever the model's dtype: a model loaded in float32 or float16 then
+# fails its first matmul ("expected m1 and m2 to have the same dtype"). Folders holding them say
+# "dtype": "bfloat16", so transformers' default load (dtype="auto") builds the model in bfloat16.
+CT_BFLOAT16_FORMATS = ("nvfp4-pack-quantized", "mxfp4-pack-quantized")
+
+
+def ct_model_dtype(quantization_config: Mapping[str, Any]) -> Optional[str]:
+    """The model dtype a compressed-tensors folder must name for transformers' default load to run
+    (None: any). "bfloat16" where a config group holds packed FP4 (CT_BFLOAT16_FORMATS)."""
+    if quantization_config.get("quant_method") != "compressed-tensors":
+        return None
+    formats = {quantization_config.get("format")}
+    formats |= {g.get("format") for g in (quantization_config.get("config_groups") or {}).values()}
+    return "bfloat16" if formats & set(CT_BFLOAT16_FORMATS) else None
 
 
 class _Exporter:
@@ -348,7 +366,8 @@ def write_hf_quantized_checkpoint(
         summary.resumed_tensors = shards.skipped
         summary.quantized_modules = len(exporter.specs)
         summary.excluded_modules = sorted(set(exporter.excluded))
-        _write_configs(work.path, exporter.specs, summary.excluded_modules, style, config, kv_cache_quant_algo, fsync)
+        summary.model_dtype = _write_configs(work.path, exporter.specs, summary.excluded_modules, style, config,
+                                             kv_cache_quant_algo, fsync)
         for path in extra_files:
             copy_file(path, os.path.join(work.path, os.path.basename(path)), fsync=fsync)
         if add_files is not None:
@@ -366,12 +385,19 @@ def write_hf_quantized_checkpoint(
     return summary
 
 
-def _write_configs(folder, specs, excluded, style, config, kv_cache_quant_algo, fsync) -> None:
+def _write_configs(folder, specs, excluded, style, config, kv_cache_quant_algo, fsync) -> Optional[str]:
+    """config.json (and ModelOpt's hf_quant_config.json); returns the model dtype set for the consumer."""
     cfg = dict(config or {})
     cfg["quantization_config"] = build_hf_quantization_config(specs, style=style, exclude_modules=excluded, kv_cache_quant_algo=kv_cache_quant_algo)
+    dtype = ct_model_dtype(cfg["quantization_config"])
+    if dtype is not None:
+        cfg["dtype"] = dtype  # transformers 5 reads "dtype"; 4.x's "torch_dtype" where the config has one
+        if "torch_dtype" in cfg:
+            cfg["torch_dtype"] = dtype
     write_file_atomic(os.path.join(folder, "config.json"), json.dumps(cfg, indent=2, sort_keys=True).encode(),
                       fsync=fsync)
     if style == "modelopt":
         hf = build_modelopt_hf_quant_config(specs, exclude_modules=excluded, kv_cache_quant_algo=kv_cache_quant_algo)
         write_file_atomic(os.path.join(folder, "hf_quant_config.json"),
                           json.dumps(hf, indent=2, sort_keys=True).encode(), fsync=fsync)
+    return dtype

@@ -1,0 +1,110 @@
+"""Every HF backend x format output runs in transformers as written: the tiny default model of each llmq
+architecture is written by --backend hf-compressed-tensors (int4, int8, fp8, nvfp4) and hf-modelopt
+(fp8), then loaded by `AutoModelForCausalLM.from_pretrained(folder)` with transformers' defaults in a
+`python -I` child process in which llmq cannot be imported (llmq.consumer_run), which runs a forward
+and a greedy `generate`.
+
+Its logits are compared with the same model class holding llmq's dequantization of the folder
+(llmq.export.read_export, built here in the parent): the weights are the same, so only arithmetic
+separates them (the consumer's dtype, bfloat16 for these configs): cosine >= 0.999. Where
+consumer_warnings names a known misread (ModelOpt FP8 codes taken as weights; compressed-tensors NVFP4
+MoE experts), the consumer really does disagree (cosine < 0.99), so the warning is true.
+"""
+
+import json
+import os
+
+import pytest
+import torch
+
+from llmq.consumer_run import run_consumer
+from llmq.export import consumer_warnings, read_export
+from models.gemma3.architecture import ARCHITECTURE as GEMMA3
+from models.gemma4.architecture import ARCHITECTURE as GEMMA4
+from models.pipeline.default_model import write_default_checkpoint
+from models.pipeline.quantize_and_save import run
+from models.qwen.architecture import ARCHITECTURE as QWEN
+
+transformers = pytest.importorskip("transformers")
+
+SAME_WEIGHTS_MIN_COSINE = 0.999  # same weights, different arithmetic (bfloat16 matmuls)
+MISREAD_MAX_COSINE = 0.99  # what the HF backend's consumer check calls a misread (llmq_hf CONSUMER_MIN_COSINE)
+PROMPT = list(range(3, 19))
+NEW_TOKENS = 4
+
+CASES = [(arch, backend, recipe)
+         for arch in (GEMMA3, GEMMA4, QWEN)
+         for backend, recipe in (("hf-compressed-tensors", "int4"), ("hf-compressed-tensors", "int8"),
+                                 ("hf-compressed-tensors", "fp8"), ("hf-compressed-tensors", "nvfp4"),
+                                 ("hf-modelopt", "fp8"))]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    return {arch.name: write_default_checkpoint(arch, str(tmp_path_factory.mktemp(arch.name) / "ckpt"), seed=0,
+                                                dtype=torch.float32)
+            for arch in (GEMMA3, GEMMA4, QWEN)}
+
+
+def _restacked(model, decoded):
+    """The model's state dict from read_export's per-module weights (fused experts stacked again)."""
+    out = {}
+    for name in model.state_dict():
+        if name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj"):
+            prefix, proj = name.rsplit(".", 1)
+            n = model.state_dict()[name].shape[0]
+            if proj == "gate_up_proj":
+                out[name] = torch.stack([torch.cat([decoded[f"{prefix}.{e}.gate_proj.weight"],
+                                                    decoded[f"{prefix}.{e}.up_proj.weight"]]) for e in range(n)])
+            else:
+                out[name] = torch.stack([decoded[f"{prefix}.{e}.down_proj.weight"] for e in range(n)])
+        elif name in decoded:
+            out[name] = decoded[name]
+    return out
+
+
+def _llmq_logits(checkpoint, folder, dtype):
+    """The consumer's model class on llmq's dequantization of `folder`, in the consumer's dtype."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype)
+    decoded = dict(read_export(folder, dtype))
+    state = _restacked(model, decoded)
+    missing = [k for k in model.state_dict() if k not in state and not k.endswith("lm_head.weight")]
+    assert not missing, missing[:5]
+    model.load_state_dict(state, strict=False)
+    with torch.no_grad():
+        return model(torch.tensor([PROMPT])).logits[0].float()
+
+
+def _cosine(a, b):
+    return torch.nn.functional.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0).item()
+
+
+@pytest.mark.parametrize("arch,backend,recipe", CASES, ids=[f"{a.name}-{b}-{r}" for a, b, r in CASES])
+def test_transformers_runs_the_folder_as_written(arch, backend, recipe, checkpoints, tmp_path):
+    folder = run(arch, checkpoint=checkpoints[arch.name], recipe=recipe, backend=backend, out=str(tmp_path / "out"),
+                 resume=True, max_shard_size=1 << 20, verify=False, seed=0, progress=False)["bundle"]
+    got = run_consumer("transformers", folder, PROMPT, new_tokens=NEW_TOKENS)
+    assert got.ok, got.line()
+    assert got.version == transformers.__version__
+    assert len(got.tokens) == NEW_TOKENS and got.logits.shape == (len(PROMPT), arch.tiny_hf_config()["vocab_size"])
+    dtype = getattr(torch, got.details["dtype"])
+    if recipe == "nvfp4":  # compressed-tensors unpacks FP4 to bfloat16: the folder says so for the default load
+        assert json.load(open(os.path.join(folder, "config.json")))["dtype"] == "bfloat16" and dtype == torch.bfloat16
+    else:  # the checkpoint's own float32
+        assert dtype == torch.float32
+    cosine = _cosine(got.logits, _llmq_logits(checkpoints[arch.name], folder, dtype))
+    if consumer_warnings(folder):  # a known misread: the warning is true
+        assert cosine < MISREAD_MAX_COSINE, (cosine, consumer_warnings(folder))
+    else:
+        assert cosine >= SAME_WEIGHTS_MIN_COSINE, cosine
+
+
+def test_the_summary_names_the_consumer_tried_gemma3(tmp_path, checkpoints):
+    """--verify runs transformers on the folder (a process without llmq) and its summary line says so."""
+    result = run(GEMMA3, checkpoint=checkpoints[GEMMA3.name], recipe="nvfp4", backend="hf-compressed-tensors",
+                 out=str(tmp_path / "out"), resume=True, max_shard_size=1 << 20, verify=True, seed=0, progress=False)
+    consumer = result["consumer"]
+    assert result["verification_failure"] is None
+    assert consumer["consumer"] == "transformers" and consumer["version"] == transformers.__version__
+    assert consumer["ok"] and consumer["agrees"] and consumer["cosine"] >= SAME_WEIGHTS_MIN_COSINE
+    assert len(consumer["tokens"]) == 8
