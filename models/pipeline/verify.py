@@ -306,6 +306,10 @@ def _whole_model_checks(arch, config, backend, job, path, reference_stream, seed
                                                                 verification_prompt(config.vocab_size, seed))
         rows += consumer_rows
         result.update(consumer_result)
+        if "consumer_text" in consumer_result:  # the quantized greedy text as the consumer itself generates it
+            rows[:] = [(f"greedy text (quantized, {consumer_result['consumer']['consumer']})",
+                        repr(consumer_result["consumer_text"])) if label == "greedy text (quantized)" else (label, value)
+                       for label, value in rows]
         failure = consumer_result.get("failure")
     if use_moe_op and failure is None:
         from models.pipeline.agreement import compare_logits

@@ -59,10 +59,11 @@ def consumer_version(consumer: str) -> Optional[str]:
 
 
 def run_consumer(consumer: str, folder: str, prompt_ids: Sequence[int], *, new_tokens: int = 8,
-                 prompt_text: Optional[str] = None, timeout: float = 1800) -> ConsumerResult:
+                 prompt_text: Optional[str] = None, new_text_tokens: Optional[int] = None,
+                 timeout: float = 1800) -> ConsumerResult:
     """Load `folder` with `consumer` (a key of CONSUMERS) in a clean child process; prefill logits for
-    `prompt_ids` and `new_tokens` greedy tokens after them (after `prompt_text` too, tokenized by the
-    folder's own tokenizer, where given)."""
+    `prompt_ids` and `new_tokens` greedy tokens after them; where `prompt_text` is given, the greedy text
+    (`new_text_tokens`, default new_tokens) after it, tokenized by the folder's own tokenizer."""
     result = ConsumerResult(consumer, version=consumer_version(consumer))
     if result.version is None:
         result.error = f"{consumer} is not installed in {sys.executable}"
@@ -70,6 +71,7 @@ def run_consumer(consumer: str, folder: str, prompt_ids: Sequence[int], *, new_t
     with tempfile.TemporaryDirectory(prefix="llmq-consumer-") as work:
         request = {"folder": os.path.abspath(folder), "prompt_ids": [int(i) for i in prompt_ids],
                    "new_tokens": int(new_tokens), "prompt_text": prompt_text,
+                   "new_text_tokens": int(new_text_tokens or new_tokens),
                    "logits_out": os.path.join(work, "logits.safetensors")}
         env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
         env.update(TQDM_DISABLE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")

@@ -157,6 +157,44 @@ def compare_with_mlx(folder: Union[str, Path], reference: torch.nn.Module, quant
     return {"mlx_vs_quantized": agreement(ours, got), "mlx_vs_reference": agreement(ref, got), "float32": float32}
 
 
+def mlx_config(config: Any) -> Any:
+    """The int config as MLX holds it: its bits (7 -> 8, MLX has no 7-bit mode) and a group of 32, 64 or
+    128 quantized as such from the start. A whole row becomes mlx-lm's default group of 64 (MLX stores a
+    scale and bias per group of 64 anyway, so the finer group costs nothing against a regrouped row, and
+    64 divides every K MLX can group by 64 or 128); a coarser group the largest MLX group that divides
+    it; a group no MLX group divides (16, 48) groups of 32. Other configs unchanged."""
+    import dataclasses
+
+    from llmq_mlx.regroup import MLX_BITS, MLX_GROUP_SIZES
+
+    if config is None or config.format != "int":
+        return config
+    bits = config.bits if config.bits in MLX_BITS else min(b for b in MLX_BITS if b >= config.bits)
+    g = config.group_size
+    if g is None:
+        group = 64
+    else:
+        group = next((h for h in sorted(MLX_GROUP_SIZES, reverse=True) if g % h == 0), MLX_GROUP_SIZES[0])
+    if (bits, group) == (config.bits, g):
+        return config
+    return dataclasses.replace(config, bits=bits, group_size=group)
+
+
+def mlx_recipe(recipe: Any) -> Tuple[Any, List[str]]:
+    """(the recipe as MLX stores it: every int rule through mlx_config, lines saying what changed)."""
+    import dataclasses
+
+    from llmq.quant import QuantRecipe
+
+    rules, changed = [], []
+    for rule in recipe.rules:
+        config = mlx_config(rule.config)
+        if config is not rule.config:
+            changed.append(f"{rule.pattern}: {rule.config.describe()} -> {config.describe()}")
+        rules.append(dataclasses.replace(rule, config=config))
+    return QuantRecipe(rules, num_layers=getattr(recipe, "num_layers", None)), changed
+
+
 def _representable(stream: Iterable[Tuple[str, Value]], job: WriteJob) -> Iterator[Tuple[str, Value]]:
     """Integer weights MLX cannot hold as they are (a GGUF's 6-bit Q6_K blocks of 16, say) are
     re-quantized from their exact dequantized values with the recipe's config for that module
@@ -190,8 +228,26 @@ class MlxBackend(Backend):
     checks_consumer = True  # mlx_lm.load runs the folder
     needs_tokenizer_files = True  # a GGUF input's tokenizer is written out as files for mlx_lm.load
 
+    # The text check's prompt and length (models.common.text_check; a backend imports no model code).
+    text_prompt = "The capital of France is"
+    text_tokens = 24
+
     def __init__(self):
         self._kept: Dict[str, Dict[str, Value]] = {}  # out -> the tensors written there, for reload
+        self._regrouped: List[str] = []  # what recipe_for changed in the last recipe it was given
+
+    def recipe_for(self, recipe: Any) -> Any:
+        """The recipe as MLX stores it (mlx_recipe): groups MLX holds (32/64/128) quantized as such, so the
+        folder holds exactly the values this recipe gives, with no regrouping; the summary says what changed."""
+        recipe, self._regrouped = mlx_recipe(recipe)
+        return recipe
+
+    def summary(self, path: str, job: WriteJob) -> List[Tuple[str, str]]:
+        rows = [("recipe as MLX stores it", line) for line in self._regrouped]
+        scale = str(mlx_scale_dtype(job.hf_config)).replace("torch.", "")
+        rows.append(("MLX values", f"int weights quantized in MLX groups with {scale} scales and biases: the folder "
+                                   "holds exactly llmq's values for this recipe (mx.dequantize in float32)"))
+        return rows
 
     def storage(self, config: Any, job: Optional[WriteJob]) -> Storage:
         """16-bit scales and biases (the model's dtype, as mlx-lm writes them: mlx_scale_dtype), one of
@@ -241,7 +297,12 @@ class MlxBackend(Backend):
         return self._kept.pop(path)
 
     def check_consumer(self, path: str, job: WriteJob, reference, quantized, prompt: torch.Tensor):
-        """mlx_lm.load(path): its logits vs our quantized model (same tensors) and vs the unquantized one."""
+        """mlx_lm.load(path) in this process: its float32 logits vs our quantized model (same tensors) and vs
+        the unquantized one; then mlx-lm as its user runs it, in a process without llmq (llmq.consumer_run):
+        load, forward, greedy generation (of the text check's prompt too, where the folder has a tokenizer:
+        the summary's quantized greedy text is mlx-lm's)."""
+        from llmq.consumer_run import run_consumer
+
         check = compare_with_mlx(path, reference, quantized, prompt)
         ours, ref = check["mlx_vs_quantized"], check["mlx_vs_reference"]
         rows = [  # all three models evaluated in float32 (see compare_with_mlx)
@@ -249,7 +310,23 @@ class MlxBackend(Backend):
                                       f"max |diff| {ours['max_abs_error']:.2e}"),
             ("mlx-lm vs unquantized (fp32)", f"cosine {ref['cosine']:.5f}, SQNR {ref['sqnr_db']:.1f} dB"),
         ]
-        return rows, {"mlx": check}
+        tried = run_consumer("mlx-lm", path, prompt[0].tolist(), new_tokens=8,
+                             prompt_text=self.text_prompt if has_tokenizer(path) else None,
+                             new_text_tokens=self.text_tokens)
+        line = tried.line()
+        result: Dict[str, Any] = {"mlx": check, "consumer": {"consumer": "mlx-lm", "version": tried.version,
+                                                             "ok": tried.ok, "error": tried.error,
+                                                             "tokens": tried.tokens}}
+        if tried.ok:
+            got = agreement(quantized(prompt)[0].float(), tried.logits)
+            line += f"; logits cosine {got['cosine']:.5f} vs ours"
+            result["consumer"]["cosine"] = got["cosine"]
+            if tried.text is not None:
+                result["consumer_text"] = tried.text
+        else:
+            result["failure"] = f"mlx-lm could not run {path}: {tried.error}"
+        rows.append(("consumer", line))
+        return rows, result
 
 
 def _keep(items, into: Dict):

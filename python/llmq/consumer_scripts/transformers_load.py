@@ -1,6 +1,6 @@
 """A transformers user's load of a folder (run by llmq.consumer_run in `python -I`: llmq not importable).
 
-Argument: one JSON request {"folder", "prompt_ids", "new_tokens", "prompt_text", "logits_out"}.
+Argument: one JSON request {"folder", "prompt_ids", "new_tokens", "prompt_text", "new_text_tokens", "logits_out"}.
 `AutoModelForCausalLM.from_pretrained(folder)` with transformers' defaults, prefill logits for
 prompt_ids (written to logits_out as float32 [T, V]), then greedy `generate`. Prints one JSON line.
 Imports the standard library, torch, transformers and safetensors only.
@@ -36,7 +36,7 @@ def main() -> int:
             tokenizer = transformers.AutoTokenizer.from_pretrained(request["folder"])
             text_ids = tokenizer(request["prompt_text"], return_tensors="pt").input_ids
             with torch.no_grad():
-                gen = model.generate(text_ids, max_new_tokens=request["new_tokens"], do_sample=False)
+                gen = model.generate(text_ids, max_new_tokens=request["new_text_tokens"], do_sample=False)
             answer["text"] = tokenizer.decode(gen[0, text_ids.shape[1]:], skip_special_tokens=True)
     except Exception as e:  # noqa: BLE001 -- the consumer's refusal is the answer
         answer["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"[:300]
