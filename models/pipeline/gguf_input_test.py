@@ -190,21 +190,22 @@ def _bf16_raw(t):
     return t.contiguous().view(torch.int16).numpy().view(np.uint8)
 
 
-def _write_gguf(arch, path, leave_float=(), float_layout=None, hf_overrides=None, extra_kv=None):
+def _write_gguf(arch, path, leave_float=(), float_layout=None, hf_overrides=None, extra_kv=None, tokens=None):
     """Write the tiny model as GGUF; returns (config, float model, {our name: gguf-py-dequantized
     reference weight}, {our name: GGUF type of its quantized halves}).
 
     float_layout="bf16": nothing quantized; the model's weights are rounded to bf16 and written
     the way llama.cpp's convert_hf_to_gguf.py --outtype auto writes a bf16 checkpoint: value
     transforms computed in bf16, matrices as BF16, norms / routers / ssm_a / conv1d / vectors as F32.
-    extra_kv: {key: (value, gguf.GGUFValueType, element type or None)} added to the metadata."""
+    extra_kv: {key: (value, gguf.GGUFValueType, element type or None)} added to the metadata; tokens: the
+    token list (default t0, t1, ...)."""
     hf, config, model = _float_model(arch, hf_overrides=hf_overrides)
     if float_layout == "bf16":
         model = model.to(torch.bfloat16)
     is_qwen = arch is QWEN
     writer = gguf.GGUFWriter(str(path), "qwen35moe" if is_qwen else "gemma4")
     (_qwen_metadata if is_qwen else _gemma_metadata)(writer, hf, config)
-    writer.add_token_list([f"t{i}".encode() for i in range(config.vocab_size)])
+    writer.add_token_list(tokens or [f"t{i}".encode() for i in range(config.vocab_size)])
     writer.add_eos_token_id(1)
     for key, (value, vtype, sub_type) in (extra_kv or {}).items():
         writer.add_key_value(key, value, vtype, sub_type=sub_type)

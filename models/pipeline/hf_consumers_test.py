@@ -108,3 +108,44 @@ def test_the_summary_names_the_consumer_tried_gemma3(tmp_path, checkpoints):
     assert consumer["consumer"] == "transformers" and consumer["version"] == transformers.__version__
     assert consumer["ok"] and consumer["agrees"] and consumer["cosine"] >= SAME_WEIGHTS_MIN_COSINE
     assert len(consumer["tokens"]) == 8
+
+
+def _gguf_with_tokenizer(path):
+    """The tiny Gemma 4 as a GGUF file whose metadata holds a SentencePiece (llama) tokenizer with byte
+    fallback: <pad> <eos> <bos> <unk>, the 256 byte tokens, fillers."""
+    import gguf
+
+    from models.pipeline.gguf_input_test import _write_gguf
+
+    n = GEMMA4.config_from_hf(GEMMA4.tiny_hf_config()).vocab_size
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>"] + [f"<0x{b:02X}>" for b in range(256)]
+    tokens += [f"t{i}" for i in range(n - len(tokens))]
+    types = [3, 3, 3, 2] + [6] * 256 + [1] * (n - 260)
+    array, f32, i32 = gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.FLOAT32, gguf.GGUFValueType.INT32
+    _write_gguf(GEMMA4, path, tokens=[t.encode() for t in tokens], extra_kv={
+        "tokenizer.ggml.model": ("llama", gguf.GGUFValueType.STRING, None),
+        "tokenizer.ggml.scores": ([0.0] * n, array, f32),
+        "tokenizer.ggml.token_type": (types, array, i32),
+        "tokenizer.ggml.bos_token_id": (2, gguf.GGUFValueType.UINT32, None),
+        "tokenizer.ggml.unknown_token_id": (3, gguf.GGUFValueType.UINT32, None),
+        "tokenizer.ggml.padding_token_id": (0, gguf.GGUFValueType.UINT32, None),
+    })
+    return str(path)
+
+
+def test_gguf_input_outputs_carry_config_and_tokenizer_gemma4(tmp_path):
+    """A bundle and an HF folder written from a GGUF file carry config.json (the HF config rebuilt from the
+    metadata) and the tokenizer (tokenizer.json from tokenizer.ggml.*); transformers loads the HF folder,
+    its tokenizer included, and generates text."""
+    gguf_path = _gguf_with_tokenizer(tmp_path / "model.gguf")
+    for backend in ("bundle", "hf-compressed-tensors"):
+        folder = run(GEMMA4, checkpoint=gguf_path, recipe="int4", backend=backend, out=str(tmp_path / backend),
+                     resume=True, max_shard_size=1 << 20, verify=False, seed=0, progress=False)["bundle"]
+        files = set(os.listdir(folder))
+        assert {"config.json", "tokenizer.json", "tokenizer_config.json"} <= files, (backend, sorted(files))
+        config = json.load(open(os.path.join(folder, "config.json")))
+        assert config["model_type"] == GEMMA4.tiny_hf_config()["model_type"], config.get("model_type")
+    got = run_consumer("transformers", str(tmp_path / "hf-compressed-tensors"), PROMPT, new_tokens=NEW_TOKENS,
+                       prompt_text="The capital of France is")
+    assert got.ok, got.line()
+    assert isinstance(got.text, str) and len(got.tokens) == NEW_TOKENS

@@ -158,6 +158,25 @@ def gguf_tokenizer_files(checkpoint: str, folder: str) -> Tuple[str, ...]:
         raise UsageError(f"--checkpoint {checkpoint}: its tokenizer cannot be rebuilt ({e})") from None
 
 
+def gguf_side_files(model_input: "ModelInput", folder: str, *, tokenizer_required: bool) -> None:
+    """A GGUF input's side files, made in `folder`: config.json (the HF config rebuilt from its metadata,
+    what the run parses) and its tokenizer (gguf_tokenizer_files), set as what the outputs carry
+    (model_input.source_files, taken from `folder` by llmq.checkpoint.source_files) and as its tokenizer
+    files: a bundle or HF folder written from a GGUF file then loads in transformers as one from an HF
+    folder does. A tokenizer that cannot be rebuilt is an error where the output needs one
+    (`tokenizer_required`), else a note and the output carries config.json alone."""
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(dict(model_input.hf_config), f, indent=2, sort_keys=True)
+    try:
+        model_input.tokenizer_files = gguf_tokenizer_files(model_input.path, folder)
+    except UsageError as e:
+        if tokenizer_required:
+            raise
+        print(f"note: the output carries no tokenizer: {e}")
+    model_input.source_files = tuple(source_files(folder))
+
+
 def _refuse_other_config(arch: Architecture, hf_config: Dict, checkpoint: str) -> None:
     if arch.reads(hf_config):
         return

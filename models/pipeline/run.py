@@ -132,10 +132,11 @@ def run(arch: Architecture, *, checkpoint: Optional[str], recipe: Optional[str],
         _check_out(out)
         model_input = inputs.open_input(arch, checkpoint, kind, workdir=workdir)
         config = model_input.config
-        if model_input.from_gguf and writer.needs_tokenizer_files:
-            # the GGUF's tokenizer (tokenizer.ggml.*) as tokenizer.json + tokenizer_config.json
-            tokenizer_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix=f"llmq-{arch.name}-tokenizer-"))
-            model_input.tokenizer_files = inputs.gguf_tokenizer_files(checkpoint, tokenizer_dir)
+        if model_input.from_gguf:
+            # config.json from the GGUF metadata and its tokenizer (tokenizer.ggml.*) as tokenizer.json +
+            # tokenizer_config.json: every output carries them, as it would an HF input's
+            side_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix=f"llmq-{arch.name}-side-files-"))
+            inputs.gguf_side_files(model_input, side_dir, tokenizer_required=writer.needs_tokenizer_files)
 
         # The model's parameter list (names and shapes); the checkpoint is checked against it
         # before anything is written (HF headers) and again as it streams (every input).
