@@ -69,7 +69,9 @@ def hf_config_from_gguf(metadata: Dict[str, Any], tensors: GGUFTensors) -> Dict[
         "global_head_dim": head_dim_full,
         "num_global_key_value_heads": kv_full,
         "attention_k_eq_v": k_eq_v,
-        "per_layer_config": {"full_attention": {"head_dim": head_dim_full, "num_key_value_heads": kv_full}},
+        # keyed by layer index, as transformers writes it (a config.json transformers loads)
+        "per_layer_config": {str(i): {"head_dim": head_dim_full, "num_key_value_heads": kv_full}
+                             for i, t in enumerate(layer_types) if t == "full_attention"},
         "rms_norm_eps": m.number("attention.layer_norm_rms_epsilon", hi=1.0),
         "sliding_window": m.count("attention.sliding_window"),
         "final_logit_softcapping": m.number("final_logit_softcapping", None, lo_open=True),

@@ -224,7 +224,7 @@ def test_mlx_lm_loads_the_folder_and_matches_our_quantized_model(arch, recipe, c
 @pytest.mark.parametrize("arch,recipe", [(QWEN, "int4"), (QWEN, "int8"), (GEMMA4, "int8")],
                          ids=["qwen-int4", "qwen-int8", "gemma4-int8"])
 def test_quantize_and_save_backend_mlx(arch, recipe, tmp_path):
-    """Every recipe through the CLI path; int8 per-channel rows are regrouped to MLX groups."""
+    """Every recipe through the CLI path; int8 per-channel rows are quantized in MLX groups (recipe_for)."""
     result = run(arch, checkpoint=None, recipe=recipe, backend="mlx", out=str(tmp_path / "out"), resume=True,
                  max_shard_size=1 << 20, verify=True, seed=0, progress=False)
     files = set(os.listdir(result["bundle"]))
