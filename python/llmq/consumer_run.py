@@ -69,10 +69,11 @@ def run_consumer(consumer: str, folder: str, prompt_ids: Sequence[int], *, new_t
         result.error = f"{consumer} is not installed in {sys.executable}"
         return result
     with tempfile.TemporaryDirectory(prefix="llmq-consumer-") as work:
+        logits_out = os.path.join(work, "logits.safetensors")
         request = {"folder": os.path.abspath(folder), "prompt_ids": [int(i) for i in prompt_ids],
                    "new_tokens": int(new_tokens), "prompt_text": prompt_text,
                    "new_text_tokens": int(new_text_tokens or new_tokens),
-                   "logits_out": os.path.join(work, "logits.safetensors")}
+                   "logits_out": logits_out}
         env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
         env.update(TQDM_DISABLE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
         try:
@@ -94,7 +95,7 @@ def run_consumer(consumer: str, folder: str, prompt_ids: Sequence[int], *, new_t
         from safetensors.torch import load_file
 
         result.ok = True
-        result.logits = load_file(request["logits_out"])["logits"]
+        result.logits = load_file(logits_out)["logits"]
         result.tokens = list(answer.get("tokens", []))
         result.text = answer.get("text")
         result.details = {k: v for k, v in answer.items() if k not in ("tokens", "text")}

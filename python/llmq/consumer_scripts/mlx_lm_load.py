@@ -21,7 +21,7 @@ def main() -> int:
 
     answer = {"mlx_lm": getattr(mlx_lm, "__version__", None)}
     try:
-        model, tokenizer = mlx_lm.load(request["folder"])
+        model, tokenizer = mlx_lm.load(request["folder"])[:2]
         answer["model_class"] = type(model).__module__.rsplit(".", 1)[-1]
         ids = request["prompt_ids"]
         logits = model(mx.array([ids]))[0].astype(mx.float32)

@@ -37,7 +37,7 @@ def main() -> int:
             text_ids = tokenizer(request["prompt_text"], return_tensors="pt").input_ids
             with torch.no_grad():
                 gen = model.generate(text_ids, max_new_tokens=request["new_text_tokens"], do_sample=False)
-            answer["text"] = tokenizer.decode(gen[0, text_ids.shape[1]:], skip_special_tokens=True)
+            answer["text"] = str(tokenizer.decode(gen[0, text_ids.shape[1]:], skip_special_tokens=True))
     except Exception as e:  # noqa: BLE001 -- the consumer's refusal is the answer
         answer["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"[:300]
     print(json.dumps(answer))
