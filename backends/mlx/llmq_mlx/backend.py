@@ -294,7 +294,7 @@ class MlxBackend(Backend):
         if path not in self._kept:
             raise ValueError(f"{path}: an MLX folder is reloaded from the tensors kept while writing it "
                              "(write with job.verify)")
-        return self._kept.pop(path)
+        return self._kept[path]  # read twice: layer by layer, then whole (verify.py)
 
     def check_consumer(self, path: str, job: WriteJob, reference, quantized, prompt: torch.Tensor):
         """mlx_lm.load(path) in this process: its float32 logits vs our quantized model (same tensors) and vs
