@@ -187,15 +187,15 @@ def test_model_without_gguf_export_is_refused(tmp_path):
         GGUFBackend().check(job)
 
 
-@pytest.mark.parametrize("budget", [4.8, 6.0])
-def test_budget_chooses_block_types_and_counts_the_files_bits(tmp_path, budget):
+@pytest.mark.parametrize("budget, method", [(4.8, "search"), (6.0, "minmax")])
+def test_budget_chooses_block_types_and_counts_the_files_bits(tmp_path, budget, method):
     """--backend=gguf --budget_bits_per_weight: per matrix a block type among Q2_K .. Q8_0 (K-quants only where the
     rows are a multiple of 256: the tiny Gemma 3's down_proj), the file's blocks fit the budget, and the summary's
     bits per weight are the GGUF's quantized tensors' bytes x 8 / their weights, read by gguf-py."""
     checkpoint = write_default_checkpoint(GEMMA3, str(tmp_path / "ckpt"))
     result = run(GEMMA3, checkpoint=checkpoint, recipe="int4", backend="gguf", out=str(tmp_path / "out"), resume=True,
                  max_shard_size=1 << 20, verify=True, seed=0, progress=False, budget_bits_per_weight=budget,
-                 budget_method="search")
+                 budget_method=method)
     assert result["verification_failure"] is None
     reader = gguf.GGUFReader(str(tmp_path / "out" / "model.gguf"))
     quantized = [t for t in reader.tensors if t.tensor_type.name.startswith("Q")]
