@@ -131,7 +131,7 @@ def test_verify_failure_fails_the_run_and_moves_the_output_aside(tmp_path, capsy
 
 
 def test_verdict_refuses_non_finite_and_nan():
-    from models.pipeline.agreement import verdict
+    from models.pipeline.verify import verdict
 
     good = {"cosine": 0.99, "finite_reference": True, "finite_quantized": True}
     assert verdict(good, min_cosine=0.9) is None
