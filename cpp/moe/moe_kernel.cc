@@ -1181,3 +1181,64 @@ void moe_ffn(const MoEArgs& a, float* out) {
 }
 
 }  // namespace llmq_moe
+
+// ---------------------------------------------------------------- dense linear
+
+namespace llmq_moe {
+
+void dense_linear(const float* x, int64_t tokens, const QMatrix& w, int64_t n_out, int num_threads, Isa isa_req,
+                  float* out) {
+  const std::string err = check_layout(w.n, w.k, w.bits, w.group_size);
+  if (!err.empty()) throw std::invalid_argument("dense_linear: " + err);
+  if (!w.qdata || (!w.sb && !w.sb16)) throw std::invalid_argument("dense_linear: null weight buffer");
+  if (w.sb && w.sb16) throw std::invalid_argument("dense_linear: both float32 and bfloat16 scale/bias given");
+  if (n_out <= w.n - 16 || n_out > w.n)
+    throw std::invalid_argument("dense_linear: n_out=" + std::to_string(n_out) + " does not fit " +
+                                std::to_string(w.n) + " packed rows (expected " + std::to_string(w.n - 15) + ".." +
+                                std::to_string(w.n) + ")");
+  if (tokens < 0) throw std::invalid_argument("dense_linear: tokens must be >= 0");
+  if (num_threads < 1) throw std::invalid_argument("dense_linear: num_threads must be >= 1");
+  if (tokens == 0) return;
+  if (!x || !out) throw std::invalid_argument("dense_linear: null x or out");
+  const Isa isa = resolve(isa_req);
+  std::lock_guard<std::mutex> lock(ThreadPool::instance().call_mutex());
+  ThreadPool& pool = ThreadPool::instance();
+  Workspace& ws = workspace();
+  const int64_t T = tokens, K = w.k, G = w.groups();
+  const int gs = w.group_size;
+
+  // 1. int8 activations per row and weight group
+  int8_t* xq = grow(ws.xq, T * K);
+  float* x_scale = grow(ws.x_scale, T * G);
+  float* x_sum = grow(ws.x_sum, T * G);
+  pool.parallel_for((T + 7) / 8, num_threads, [&](int64_t b) {
+    for (int64_t t = b * 8; t < std::min(T, b * 8 + 8); ++t)
+      quantize_row(x + t * K, K, gs, xq + t * K, x_scale + t * G, x_sum + t * G, isa);
+  });
+
+  // 2. one item per 32 output columns (a tile pair; the last may be a single tile), all tokens
+  const int64_t tiles = w.n / 16, pairs = (tiles + 1) / 2;
+  pool.parallel_for(pairs, num_threads, [&](int64_t p) {
+    const int64_t tl[2] = {2 * p, 2 * p + 1};
+    const int nt = (2 * p + 1 < tiles) ? 2 : 1;
+    if (p + 1 < pairs) prefetch_tiles(w, 0, 2 * (p + 1), static_cast<int>(std::min<int64_t>(2, tiles - 2 * (p + 1))));
+    const int64_t col = p * 32;
+    const int64_t ncols = std::min<int64_t>(nt * 16, n_out - col);
+    for (int64_t b = 0, m = 0; b < T; b += m) {
+      m = block_rows(T - b);
+      const int8_t* rows_q[kMaxM];
+      const float *rows_s[kMaxM], *rows_sum[kMaxM];
+      for (int i = 0; i < m; ++i) {
+        rows_q[i] = xq + (b + i) * K;
+        rows_s[i] = x_scale + (b + i) * G;
+        rows_sum[i] = x_sum + (b + i) * G;
+      }
+      alignas(64) float y[kMaxM * 32];
+      if (nt == 2) gemm_tile_pair(w, tl, rows_q, rows_s, rows_sum, static_cast<int>(m), y, isa);
+      else gemm_tile_resolved(w, tl, 1, rows_q, rows_s, rows_sum, static_cast<int>(m), y, isa);
+      for (int i = 0; i < m; ++i) std::memcpy(out + (b + i) * n_out + col, y + i * nt * 16, ncols * sizeof(float));
+    }
+  });
+}
+
+}  // namespace llmq_moe

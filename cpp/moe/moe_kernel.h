@@ -116,6 +116,16 @@ void quantize_row(const float* x, int64_t k, int group_size, int8_t* xq, float* 
 void gemm_tile(const QMatrix& w, const int64_t* tiles, int nt, const int8_t* const* xq, const float* const* ascale,
                const float* const* asum, int m, float* out, Isa isa);
 
+// Dense y = x W^T on one packed matrix (the experts' tiles serving a plain linear layer):
+// x [tokens, w.k] fp32, out [tokens, n_out] fp32 with w.n - 16 < n_out <= w.n (the packed rows
+// beyond n_out are padding, their outputs dropped). Same numerical contract as the op: x is
+// quantized per row and weight group to int8, out = W_deq . (a * xq) accumulated in fp32,
+// bit-identical on every ISA path and for every thread count. Work items are 32 output
+// columns (a tile pair), each run for all tokens in register blocks, so a tile's weights are
+// read from memory once per call. Throws std::invalid_argument on a bad layout.
+void dense_linear(const float* x, int64_t tokens, const QMatrix& w, int64_t n_out, int num_threads, Isa isa,
+                  float* out);
+
 enum class ScoreFunc : int { kSoftmax = 0, kSigmoid = 1 };
 
 // How the w2 phase is split into work items (results are bit-identical either way):

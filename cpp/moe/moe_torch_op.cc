@@ -173,6 +173,40 @@ Tensor quantized_moe_ffn_cpu(const Tensor& x, const Tensor& router_weight, const
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }
 
+#define LLMQ_LINEAR_CHECK(cond, ...) TORCH_CHECK_VALUE(cond, "quantized_linear: ", __VA_ARGS__)
+
+// llmq::quantized_linear: y = x W^T on one packed matrix (dense_linear). The checks mirror
+// check_linear_args in python/llmq/ops/dense_op.py (the fake kernel) message for message.
+Tensor quantized_linear_cpu(const Tensor& x, const Tensor& qdata, const Tensor& sb, int64_t out_features, int64_t bits,
+                            int64_t group_size, int64_t num_threads) {
+  LLMQ_LINEAR_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+                    "x must be float32 or bfloat16 [T, K], got ", dtype_name(x.scalar_type()), " ",
+                    shape_str(x.sizes()));
+  const int64_t k = x.size(1);
+  LLMQ_LINEAR_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8, got ", bits);
+  LLMQ_LINEAR_CHECK(group_size > 0 && group_size % 32 == 0 && k % group_size == 0, "group_size ", group_size,
+                    " must be a positive multiple of 32 dividing K=", k);
+  LLMQ_LINEAR_CHECK(qdata.dim() == 2 && qdata.scalar_type() == at::kByte && qdata.size(1) == 16 * k * bits / 8,
+                    "qdata must be torch.uint8 [N/16, ", 16 * k * bits / 8, "], got ", dtype_name(qdata.scalar_type()),
+                    " ", shape_str(qdata.sizes()));
+  const int64_t n = qdata.size(0) * 16;
+  const std::vector<int64_t> sb_shape{n / 16, 32 * (k / group_size)};
+  LLMQ_LINEAR_CHECK(
+      (sb.scalar_type() == at::kFloat || sb.scalar_type() == at::kBFloat16) && sb.sizes() == at::IntArrayRef(sb_shape),
+      "sb must be float32 or bfloat16 ", shape_str(sb_shape), ", got ", dtype_name(sb.scalar_type()), " ",
+      shape_str(sb.sizes()));
+  LLMQ_LINEAR_CHECK(n - 16 < out_features && out_features <= n, "out_features=", out_features, " does not fit ", n,
+                    " packed rows");
+  LLMQ_LINEAR_CHECK(num_threads >= 0, "num_threads must be >= 0 (0 = torch.get_num_threads()), got ", num_threads);
+  for (const auto& [t, name] : {std::pair<const Tensor*, const char*>{&x, "x"}, {&qdata, "qdata"}, {&sb, "sb"}})
+    LLMQ_LINEAR_CHECK(t->device().is_cpu(), name, " must be on the CPU, got ", t->device());
+  const Tensor xf = x.to(at::kFloat).contiguous(), q = qdata.contiguous(), s = sb.contiguous();
+  Tensor out = at::empty({x.size(0), out_features}, x.options().dtype(at::kFloat));
+  dense_linear(xf.data_ptr<float>(), x.size(0), matrix(q, s, n, k, bits, group_size), out_features,
+               static_cast<int>(num_threads ? num_threads : at::get_num_threads()), op_isa(), out.data_ptr<float>());
+  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+}
+
 }  // namespace
 
 void set_op_isa(Isa isa) { g_isa.store(static_cast<int>(isa)); }
@@ -184,4 +218,7 @@ Schedule op_schedule() { return static_cast<Schedule>(g_schedule.load()); }
 
 // The schema is defined by python/llmq/ops/moe_op.py; the dispatcher accepts this kernel
 // before or after it and checks the signature against it.
-TORCH_LIBRARY_IMPL(llmq, CPU, m) { m.impl("quantized_moe_ffn", TORCH_FN(llmq_moe::quantized_moe_ffn_cpu)); }
+TORCH_LIBRARY_IMPL(llmq, CPU, m) {
+  m.impl("quantized_moe_ffn", TORCH_FN(llmq_moe::quantized_moe_ffn_cpu));
+  m.impl("quantized_linear", TORCH_FN(llmq_moe::quantized_linear_cpu));
+}

@@ -67,6 +67,54 @@ def pack_matrix_tiles(w: GroupQuantizedWeight, name: str = "weight", scale_dtype
     return qdata, sb.reshape(*lead, n // 16, g * 32).to(torch.float32).to(scale_dtype).contiguous()
 
 
+def linear_layout_problem(w: GroupQuantizedWeight) -> str:
+    """Why the dense kernel cannot take `w` ("" when it can): INT4/INT8, 2-D, group a multiple
+    of 32 dividing K (whole-row groups included). N need not be a multiple of 16 (padded)."""
+    if len(w.shape) != 2:
+        return f"a dense linear needs a 2-D weight, got shape {list(w.shape)}"
+    n, k = w.shape
+    if w.bits not in KERNEL_BITS:
+        return f"the kernel takes INT4 or INT8 weights, got bits={w.bits}"
+    if w.group_size <= 0 or w.group_size % 32 or k % w.group_size:
+        return f"group_size {w.group_size} is not a multiple of 32 dividing K={k}"
+    return ""
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedLinear:
+    """One dense weight [N, K] in the kernel layout, rows padded to a multiple of 16."""
+
+    qdata: torch.Tensor  # uint8 [ceil(N/16), 16*K*bits/8]
+    sb: torch.Tensor  # float32 or bfloat16 [ceil(N/16), 32*K/gs]
+    out_features: int  # N (the padded rows' outputs are dropped)
+    in_features: int  # K
+    bits: int
+    group_size: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.qdata.numel() + self.sb.numel() * self.sb.element_size()
+
+
+def pack_linear(w: GroupQuantizedWeight, name: str = "weight", scale_dtype: torch.dtype = torch.float32) -> PackedLinear:
+    """Canonical [N, K] -> the tiled layout for llmq::quantized_linear (rows padded with zero codes,
+    scales and biases to a multiple of 16, so the padding computes zeros)."""
+    problem = linear_layout_problem(w)
+    if problem:
+        raise ValueError(f"{name}: {problem}")
+    n, k = w.shape
+    pad = -n % 16
+    if pad:
+        w = GroupQuantizedWeight(
+            qdata=torch.cat([w.qdata, w.qdata.new_zeros(pad, w.qdata.shape[1])]),
+            scale=torch.cat([w.scale, w.scale.new_zeros(pad, w.scale.shape[1])]),
+            bias=torch.cat([w.bias, w.bias.new_zeros(pad, w.bias.shape[1])]),
+            bits=w.bits, group_size=w.group_size, shape=(n + pad, k), dtype=w.dtype,
+        )
+    qdata, sb = pack_matrix_tiles(w, name, scale_dtype)
+    return PackedLinear(qdata, sb, n, k, w.bits, w.group_size)
+
+
 @dataclasses.dataclass(frozen=True)
 class PackedExperts:
     """A stack of E SwiGLU experts in the kernel layout: w13 [E, 2F, D] and w2 [E, D, F]."""

@@ -11,11 +11,16 @@ masks, multiplies). Buffer names (documented in docs/formats.md):
 
 forward dequantizes in float32 as fl(fl(q*scale) + bias): exportable and portable, at most
 about one float32 rounding of |scale*q| plus one of |w| away from `dequantize()`'s exact value.
+That dequantize path is the reference. A compiled kernel may serve QuantizedLinear.forward
+instead (`set_linear_kernel`; llmq.ops installs the dense INT4/INT8 kernel when its extension
+loads): only in eager CPU inference (not while tracing/exporting, not when x requires grad),
+only for the weights its `pack` accepts, and never while `reference_linears()` is active.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+from typing import Any, Iterator, Optional, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +29,53 @@ from torch import nn
 from llmq.quant.formats import GroupQuantizedWeight, get_format, packed_row_bytes
 from llmq.quant.quantize import quantize_weight
 from llmq.quant.recipe import QuantConfig
+
+
+class LinearKernel(Protocol):
+    """A compiled y = x W^T for canonical quantized weights (see set_linear_kernel)."""
+
+    def pack(self, qw: GroupQuantizedWeight) -> Optional[Any]:
+        """The kernel's form of `qw`, or None when the kernel does not take this format/shape."""
+
+    def linear(self, x: torch.Tensor, packed: Any) -> torch.Tensor:
+        """x [..., K] (float32 or bfloat16, CPU) -> [..., N] in x's dtype, without the Linear's bias."""
+
+
+_linear_kernel: Optional[LinearKernel] = None
+_reference_only = 0
+
+
+def set_linear_kernel(kernel: Optional[LinearKernel]) -> Optional[LinearKernel]:
+    """Install (or with None remove) the kernel QuantizedLinear.forward uses; returns the old one."""
+    global _linear_kernel
+    old, _linear_kernel = _linear_kernel, kernel
+    return old
+
+
+def linear_kernel() -> Optional[LinearKernel]:
+    """The installed kernel (None: every QuantizedLinear dequantizes)."""
+    return _linear_kernel
+
+
+@contextlib.contextmanager
+def reference_linears() -> Iterator[None]:
+    """Inside, every QuantizedLinear takes the dequantize path (the reference), kernel or not."""
+    global _reference_only
+    _reference_only += 1
+    try:
+        yield
+    finally:
+        _reference_only -= 1
+
+
+def _kernel_for(x: torch.Tensor) -> Optional[LinearKernel]:
+    if _linear_kernel is None or _reference_only or x.device.type != "cpu" or x.requires_grad:
+        return None
+    if x.dtype not in (torch.float32, torch.bfloat16) or x.numel() == 0:
+        return None
+    if torch.compiler.is_compiling() or torch.jit.is_tracing():
+        return None
+    return _linear_kernel
 
 
 def unpack_bits_graph(qdata: torch.Tensor, bits: int, k: int) -> torch.Tensor:
@@ -129,7 +181,22 @@ class QuantizedLinear(_QuantizedWeightMixin, nn.Module):
     def from_linear(cls, linear: nn.Linear, config: QuantConfig, *, name: str = "<linear>") -> "QuantizedLinear":
         return cls.from_quantized(_quantize_int(linear.weight, config, name), linear.bias)
 
+    def _packed_for(self, kernel: LinearKernel) -> Optional[Any]:
+        """The kernel's form of this weight, packed once and repacked if the buffers change."""
+        bufs = (self.weight_qdata, self.weight_scale, self.weight_bias)
+        key = (id(kernel),) + tuple((b.data_ptr(), b._version) for b in bufs)
+        cached = self.__dict__.get("_kernel_packed")
+        if cached is None or cached[0] != key:
+            cached = (key, kernel.pack(self.quantized_weight()))
+            self.__dict__["_kernel_packed"] = cached
+        return cached[1]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kernel = _kernel_for(x)
+        packed = None if kernel is None else self._packed_for(kernel)
+        if kernel is not None and packed is not None:
+            y = kernel.linear(x, packed)
+            return y if self.bias is None else y + self.bias.to(y.dtype)
         w = self._dequantized(self.in_features)
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, w.to(x.dtype), bias)
