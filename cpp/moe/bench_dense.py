@@ -4,7 +4,7 @@
 
 Per (N = K, tokens) it times, side by side in interleaved rounds (a burst of load from other
 tenants of this shared machine slows all three alike, so the ratios stay meaningful):
-  (op)    QuantizedLinear.forward with the compiled kernel (llmq.ops installed it),
+  (op)    QuantizedLinear.forward with the compiled kernel (llmq.ops.install_dense_kernel()),
   (deq)   the same module under llmq.quant.modules.reference_linears(): dequantize every weight,
           then F.linear in float32 (what every quantized linear did before the kernel),
   (fp32)  torch.matmul(x, W^T) on the float32 weight (the float model's cost).
@@ -79,7 +79,7 @@ def main(argv=None):
     ap.add_argument("--format", default="int4g128", choices=sorted(FORMATS))
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args(argv)
-    if not dense_op.quantized_linear_available():
+    if not dense_op.install_dense_kernel():
         raise SystemExit("the compiled kernel (//cpp/moe:_moe_kernel.so) is not loaded; build it or set LLMQ_MOE_KERNEL")
     bits, gs = FORMATS[args.format]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.format}, median (min) ms per call")

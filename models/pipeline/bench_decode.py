@@ -52,7 +52,7 @@ def main(argv):
     del argv
     if FLAGS.threads:
         torch.set_num_threads(FLAGS.threads)
-    if not dense_op.quantized_linear_available():
+    if not dense_op.install_dense_kernel():
         raise SystemExit("the compiled kernel (//cpp/moe:_moe_kernel.so) is not loaded; build it or set LLMQ_MOE_KERNEL")
     arch = importlib.import_module(f"models.{FLAGS.arch}.architecture").ARCHITECTURE
     layout_module = importlib.import_module(f"models.{FLAGS.arch}.export_pt2")
@@ -82,11 +82,11 @@ def main(argv):
                     p_s, d_s, first, last = _round(*steps, prompt, tokens.tolist())
             best[side] = [min(best[side][0], p_s), min(best[side][1], d_s)]
             out[side] = (first, last)
-    (kf, kl), (rf, rl) = out["kernel"], out["dequantize"]
+    (kf, _), (rf, _) = out["kernel"], out["dequantize"]
     top1 = (kf[0].argmax(-1) == rf[0].argmax(-1)).float().mean().item()
     cos = torch.nn.functional.cosine_similarity(kf[0].double(), rf[0].double(), dim=-1).mean().item()
     n = FLAGS.decode_steps
-    print(f"{FLAGS.arch} {FLAGS.checkpoint or '(embedded)'} {FLAGS.recipe}: {len(linears)} QuantizedLinear, "
+    print(f"{FLAGS.arch} {FLAGS.checkpoint or '(embedded)'} {FLAGS.bundle or FLAGS.recipe or 'int4-e8'}: {len(linears)} QuantizedLinear, "
           f"{served} served by the kernel; {torch.get_num_threads()} threads; best of {FLAGS.repeat}")
     print("| | kernel | dequantize | kernel / dequantize |")
     print("|---|---|---|---|")

@@ -168,20 +168,24 @@ def write_real_shapes(model: str, layers: int, out: str, *, seed: int = 0, hf_co
     return {"tensors": count, "bytes": shards.total_bytes}
 
 
-flags.DEFINE_enum("model", "gemma4_31b", sorted(MODELS), "Which real config.")
-flags.DEFINE_integer("layers", 4, "Decoder layers to write.", lower_bound=1)
-flags.DEFINE_string("out", None, "Output folder (created).")
-flags.DEFINE_integer("seed", 0, "Seed of the random values.")
-
-
 def main(argv):
     del argv
     fl = flags.FLAGS
     if not fl.out:
         raise app.UsageError("--out is required")
-    result = write_real_shapes(fl.model, fl.layers, fl.out, seed=fl.seed)
+    tiny = _architecture(fl.model).tiny_hf_config() if fl.tiny else None
+    result = write_real_shapes(fl.model, fl.layers, fl.out, seed=fl.seed, hf_config=tiny)
     print(f"{fl.out}: {fl.model} with {fl.layers} layers, {result['tensors']} tensors, {result['bytes']:,} bytes")
 
 
+def _define_flags() -> None:  # only as a program: the module is also imported by bench_real_shapes
+    flags.DEFINE_enum("model", "gemma4_31b", sorted(MODELS), "Which real config.")
+    flags.DEFINE_integer("layers", 4, "Decoder layers to write.", lower_bound=1)
+    flags.DEFINE_string("out", None, "Output folder (created).")
+    flags.DEFINE_integer("seed", 0, "Seed of the random values.")
+    flags.DEFINE_boolean("tiny", False, "The architecture's embedded tiny config instead of the real one (smoke tests).")
+
+
 if __name__ == "__main__":
+    _define_flags()
     app.run(main)

@@ -7,10 +7,12 @@ the product is exactly W_deq . (scale * xq) accumulated in fp32; results are bit
 across ISA paths and thread counts. The fake kernel here and the C++ kernel make the same
 checks with the same messages.
 
-Importing this module installs the kernel into llmq.quant.modules (set_linear_kernel) when the
-extension registered its CPU kernel, so every QuantizedLinear whose weight the kernel takes
-(INT4/INT8, group a multiple of 32 dividing K, any N) computes with it in eager CPU inference;
-`llmq.quant.modules.reference_linears()` switches back to the dequantize path.
+`install_dense_kernel()` puts the kernel into llmq.quant.modules (set_linear_kernel), so every
+QuantizedLinear whose weight the kernel takes (INT4/INT8, group a multiple of 32 dividing K, any
+N) computes with it in eager CPU inference; `llmq.quant.modules.reference_linears()` switches back
+to the dequantize path for a block of code. Importing this module installs nothing: a process
+opts in (a quantized model's eager run, e.g. verification or generation), so code that compares
+eager against an exported dequantize graph keeps comparing like with like.
 """
 
 from __future__ import annotations
@@ -109,5 +111,11 @@ class DenseKernel:
         return quantized_linear(x, packed)
 
 
-if _cpp_kernel_registered and modules.linear_kernel() is None:
-    modules.set_linear_kernel(DenseKernel())
+def install_dense_kernel() -> bool:
+    """Make QuantizedLinear compute with llmq::quantized_linear where it can; returns whether the
+    compiled kernel is there (False: nothing installed, every linear keeps dequantizing)."""
+    if not _cpp_kernel_registered:
+        return False
+    if not isinstance(modules.linear_kernel(), DenseKernel):
+        modules.set_linear_kernel(DenseKernel())
+    return True

@@ -28,6 +28,19 @@ needs_kernel = pytest.mark.skipif(not dense_op.quantized_linear_available(),
                                   reason="the compiled //cpp/moe:_moe_kernel.so is not built/loadable here")
 
 
+@pytest.fixture
+def installed():
+    old = modules.set_linear_kernel(None)
+    assert dense_op.install_dense_kernel()
+    assert isinstance(modules.linear_kernel(), dense_op.DenseKernel)
+    yield
+    modules.set_linear_kernel(old)
+
+
+def test_nothing_installed_on_import():
+    assert not isinstance(modules.linear_kernel(), dense_op.DenseKernel)
+
+
 def _weight(n, k, bits, group_size, symmetric, seed=0):
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g) * 0.05
@@ -106,8 +119,7 @@ def test_int8_activations_close_to_float_path():
 
 
 @needs_kernel
-def test_quantized_linear_module_uses_kernel_and_reference_switch():
-    assert isinstance(modules.linear_kernel(), dense_op.DenseKernel)
+def test_quantized_linear_module_uses_kernel_and_reference_switch(installed):
     qw = _weight(50, 256, 4, 32, True)
     bias = torch.randn(50)
     m = QuantizedLinear.from_quantized(qw, bias=bias)
@@ -133,7 +145,7 @@ def test_quantized_linear_module_uses_kernel_and_reference_switch():
 
 
 @needs_kernel
-def test_formats_the_kernel_does_not_take_dequantize():
+def test_formats_the_kernel_does_not_take_dequantize(installed):
     for bits, gs, k in [(3, 32, 128), (4, 16, 128), (6, 64, 128), (4, None, 48)]:
         qw = _weight(20, k, bits, gs, True)
         m = QuantizedLinear.from_quantized(qw)
@@ -145,7 +157,7 @@ def test_formats_the_kernel_does_not_take_dequantize():
 
 
 @needs_kernel
-def test_export_keeps_the_dequantize_graph():
+def test_export_keeps_the_dequantize_graph(installed):
     m = QuantizedLinear.from_quantized(_weight(32, 128, 4, 32, True))
     ep = torch.export.export(m, (torch.randn(2, 128),))
     targets = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
