@@ -12,7 +12,8 @@ statistics of the embedded tiny default model of the same layer count and types
 (`Architecture.prepare_default`: a random model that behaves like a trained one): 1-D tensors
 (norms, layer scalars, Qwen's A_log/dt_bias) take the tiny model's constant, or its mean and
 spread; matrices are normal with the tiny's std times sqrt(tiny fan-in / real fan-in), so every
-layer keeps the tiny model's activation scale. The folder gets a byte-level BPE tokenizer
+layer keeps the tiny model's activation scale. Normal values come from a pool (`Normals`), at
+memory speed. The folder gets a byte-level BPE tokenizer
 (default_model.write_tiny_tokenizer, the model's vocabulary size) for --calibration_text.
 
 Written tensor by tensor (llmq.export.shards.ShardWriter, 4 GiB shards); a tensor above 64 Mi
@@ -110,7 +111,32 @@ def planned_tensors(arch: Architecture, hf_config: Dict) -> Iterator[Tuple[str, 
             yield hf_name, t.shape, t.dtype
 
 
-def _values(stat, shape, rows: slice, gen: torch.Generator) -> torch.Tensor:
+class Normals:
+    """Standard normal values at memory speed: a pool of POOL draws, handed out as runs of RUN values
+    from random offsets with random signs. (Drawing tens of GB with torch.randn takes tens of minutes on
+    a shared 2-core machine; for quantizing and timing, values that are normal in distribution are what
+    matters, and runs of 64 Ki values from 16 Mi draws repeat nothing a group or a row would notice.)"""
+
+    POOL = 1 << 24
+    RUN = 1 << 16
+
+    def __init__(self, gen: torch.Generator):
+        self.gen = gen
+        self.pool = torch.randn(self.POOL, generator=gen)
+
+    def draw(self, shape) -> torch.Tensor:
+        numel = math.prod(shape)
+        out = torch.empty(numel)
+        runs = (numel + self.RUN - 1) // self.RUN
+        offsets = torch.randint(0, self.POOL - self.RUN, (runs,), generator=self.gen).tolist()
+        signs = (torch.randint(0, 2, (runs,), generator=self.gen) * 2 - 1).tolist()
+        for i, (off, sign) in enumerate(zip(offsets, signs)):
+            n = min(self.RUN, numel - i * self.RUN)
+            torch.mul(self.pool[off:off + n], sign, out=out[i * self.RUN:i * self.RUN + n])
+        return out.reshape(shape)
+
+
+def _values(stat, shape, rows: slice, normals: Normals) -> torch.Tensor:
     mean, std, tiny_fan_in, constant = stat
     shape = (rows.stop - rows.start,) + tuple(shape[1:]) if len(shape) else ()
     if constant:
@@ -118,7 +144,7 @@ def _values(stat, shape, rows: slice, gen: torch.Generator) -> torch.Tensor:
     if len(shape) >= 2:
         std = std * math.sqrt(tiny_fan_in / math.prod(shape[1:]))
         mean = 0.0
-    return torch.randn(shape, generator=gen) * std + mean
+    return normals.draw(shape) * std + mean
 
 
 def write_real_shapes(model: str, layers: int, out: str, *, seed: int = 0, hf_config=None) -> Dict[str, int]:
@@ -134,7 +160,7 @@ def write_real_shapes(model: str, layers: int, out: str, *, seed: int = 0, hf_co
     stats = _tiny_stats(arch, text["layer_types"])
     os.makedirs(out, exist_ok=True)
     shards = ShardWriter(out, SHARD_BYTES)
-    gen = torch.Generator().manual_seed(seed)
+    normals = Normals(torch.Generator().manual_seed(seed))
     count = 0
     for name, shape, dtype in planned_tensors(arch, hf_config):
         key = _EXPERT.sub(".experts.*.", name)
@@ -149,12 +175,12 @@ def write_real_shapes(model: str, layers: int, out: str, *, seed: int = 0, hf_co
             def parts(name=name, shape=shape, rows=rows, step=step, key=key):
                 for r0 in range(0, rows, step):
                     r1 = min(rows, r0 + step)
-                    yield r0, r1, {name: _values(stats[key], shape, slice(r0, r1), gen).to(torch.bfloat16)}
+                    yield r0, r1, {name: _values(stats[key], shape, slice(r0, r1), normals).to(torch.bfloat16)}
 
             if shards.add_row_blocks([(name, placeholder(out_dtype, shape))], rows, parts):
                 count += 1
                 continue
-        value = _values(stats[key], shape, slice(0, shape[0] if len(shape) else 0), gen)
+        value = _values(stats[key], shape, slice(0, shape[0] if len(shape) else 0), normals)
         shards.add(name, value.to(out_dtype).contiguous())
         count += 1
     shards.close()
