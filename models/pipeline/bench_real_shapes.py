@@ -225,8 +225,8 @@ def main(argv):
                 f"{_gb(sizes['outside'])}")
         if len(got) >= 2:
             (l0, p0), (l1, p1) = sorted(got.items())[:2]
-            slope = (p1 - p0) / (l1 - l0)
-            est = p1 + slope * (REAL_LAYERS[model] - l1)
+            slope = max(0.0, (p1 - p0) / (l1 - l0))  # a drop is noise: flat
+            est = max(p0, p1) + slope * (REAL_LAYERS[model] - l1)
             line += (f"; measured peak {_gb(p0)} at {l0} layers, {_gb(p1)} at {l1} ({_gb(slope)} per layer) -> "
                      f"{_gb(est)} at {REAL_LAYERS[model]} layers: {'fits' if est < 24e9 else 'does NOT fit'} 24 GB")
         print(line)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmq.quant import GroupQuantizedWeight, QuantizedEmbedding, QuantizedLinear, dequantize, format_of
-from llmq.quant.modules import dequantize_graph
+from llmq.quant.modules import dequantize_graph, kernel_for
 
 Value = Union[torch.Tensor, GroupQuantizedWeight]
 
@@ -34,6 +34,26 @@ class _StackedQuantized(nn.Module):
     def expert(self, e: int) -> torch.Tensor:
         """float32 weight of one expert: only that slice is ever dequantized."""
         return dequantize_graph(self.qdata[e], self.scale[e], self.bias[e], self.bits, self.group_size, self.k)
+
+    def linear(self, x: torch.Tensor, e: int) -> torch.Tensor:
+        """x @ W_e^T: through the installed compiled kernel (llmq.quant.modules.set_linear_kernel)
+        where it takes the format, each expert packed on first use; else dequantized."""
+        kernel = kernel_for(x)
+        packed = None if kernel is None else self._packed(kernel, e)
+        if kernel is not None and packed is not None:
+            return kernel.linear(x, packed)
+        return F.linear(x, self.expert(e).to(x.dtype))
+
+    def _packed(self, kernel, e: int):
+        key = (id(kernel),) + tuple((b.data_ptr(), b._version) for b in (self.qdata, self.scale, self.bias))
+        cache = self.__dict__.get("_kernel_packed")
+        if cache is None or cache[0] != key:
+            cache = self.__dict__["_kernel_packed"] = (key, {})
+        if e not in cache[1]:
+            qw = GroupQuantizedWeight(self.qdata[e], self.scale[e], self.bias[e], self.bits, self.group_size,
+                                      (self.scale.shape[1], self.k))
+            cache[1][e] = kernel.pack(qw)
+        return cache[1][e]
 
 
 class QuantizedExperts(nn.Module):
@@ -55,9 +75,15 @@ class QuantizedExperts(nn.Module):
         holder.expert = lambda e, w=holder.weight: w[e]
         return holder
 
+    @staticmethod
+    def _linear(holder: nn.Module, x: torch.Tensor, e: int) -> torch.Tensor:
+        if isinstance(holder, _StackedQuantized):
+            return holder.linear(x, e)
+        return F.linear(x, holder.expert(e).to(x.dtype))
+
     def _expert(self, x: torch.Tensor, e: int) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up.expert(e).to(x.dtype)).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down.expert(e).to(x.dtype))
+        gate, up = self._linear(self.gate_up, x, e).chunk(2, dim=-1)
+        return self._linear(self.down, F.silu(gate) * up, e)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(x)

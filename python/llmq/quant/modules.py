@@ -68,7 +68,9 @@ def reference_linears() -> Iterator[None]:
         _reference_only -= 1
 
 
-def _kernel_for(x: torch.Tensor) -> Optional[LinearKernel]:
+def kernel_for(x: torch.Tensor) -> Optional[LinearKernel]:
+    """The installed kernel if it may serve input x here (eager CPU inference, fp32/bf16, not tracing,
+    not inside reference_linears()), else None: dequantize."""
     if _linear_kernel is None or _reference_only or x.device.type != "cpu" or x.requires_grad:
         return None
     if x.dtype not in (torch.float32, torch.bfloat16) or x.numel() == 0:
@@ -192,7 +194,7 @@ class QuantizedLinear(_QuantizedWeightMixin, nn.Module):
         return cached[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        kernel = _kernel_for(x)
+        kernel = kernel_for(x)
         packed = None if kernel is None else self._packed_for(kernel)
         if kernel is not None and packed is not None:
             y = kernel.linear(x, packed)
