@@ -47,6 +47,8 @@ flags.DEFINE_float("budget_bits_per_weight", 4.5, "--budget_bits_per_weight of t
 flags.DEFINE_float("max_rss_gb", 18.0, "Stop a run whose processes together pass this resident size.")
 flags.DEFINE_integer("timeout_s", 5400, "Stop a run after this many seconds.")
 flags.DEFINE_boolean("keep", False, "Keep the checkpoints and outputs.")
+flags.DEFINE_boolean("reuse_checkpoints", False, "Use a checkpoint already in --workdir (<model>-<layers>l, written "
+                     "by write_real_shapes) instead of writing it again (its generator columns are then empty).")
 flags.DEFINE_boolean("tiny_shapes", False, "Smoke test: the embedded tiny configs instead of the real ones.")
 FLAGS = flags.FLAGS
 
@@ -138,12 +140,15 @@ def passes(lines, total_s: float) -> Dict[str, Dict[str, float]]:
 def run_case(model: str, layers: int, workdir: str, text: str, env: Dict[str, str]) -> Dict:
     ckpt = os.path.join(workdir, f"{model}-{layers}l")
     out = ckpt + "-q"
-    for folder in (ckpt, out):
+    reuse = FLAGS.reuse_checkpoints and os.path.isfile(os.path.join(ckpt, "config.json"))
+    for folder in (out,) if reuse else (ckpt, out):
         shutil.rmtree(folder, ignore_errors=True)
-    row: Dict = {"model": model, "layers": layers}
+    row: Dict = {"model": model, "layers": layers, "gen_s": None, "gen_rss": None}
     try:
-        gen = timed_run([sys.executable, "-m", "models.pipeline.real_shapes", f"--model={model}", f"--layers={layers}",
-                         f"--out={ckpt}"] + (["--tiny"] if FLAGS.tiny_shapes else []), max_rss=8e9, timeout_s=3600, env=env)
+        write = [sys.executable, "-m", "models.pipeline.real_shapes", f"--model={model}", f"--layers={layers}",
+                 f"--out={ckpt}"] + (["--tiny"] if FLAGS.tiny_shapes else [])
+        gen: Dict = ({"rc": 0, "seconds": None, "peak_rss": None, "lines": []} if reuse
+                     else timed_run(write, max_rss=8e9, timeout_s=3600, env=env))
         if gen["rc"] != 0:
             row["error"] = "generator failed: " + " | ".join(t for _, t in gen["lines"][-5:])
             return row
@@ -212,7 +217,8 @@ def main(argv):
             elif p.get("span_s", 0) >= 1:
                 per.append(f"{what} {p['span_s'] / r['layers']:.1f} s (span / layers)")
         result = r["stopped"] or ("ok" if r["rc"] == 0 else f"exit {r['rc']}")
-        print(f"| {r['model']} | {r['layers']} | {_gb(r['checkpoint_bytes'])} | {_gb(r['gen_rss'])} | "
+        gen = _gb(r["gen_rss"]) + ("" if r["gen_s"] is None else f", {r['gen_s']:.0f} s")
+        print(f"| {r['model']} | {r['layers']} | {_gb(r['checkpoint_bytes'])} | {gen} | "
               f"{r['run_s']:.0f} s | {_gb(r['peak_rss'])} | {'; '.join(per)} | {_gb(r['output_bytes'])} | {result} |")
     print("\nAt the real layer counts (bf16 bytes from the real configs; peak extrapolated linearly from the two "
           "measured layer counts):")
