@@ -112,10 +112,11 @@ def planned_tensors(arch: Architecture, hf_config: Dict) -> Iterator[Tuple[str, 
 
 
 class Normals:
-    """Standard normal values at memory speed: a pool of POOL draws, handed out as runs of RUN values
-    from random offsets with random signs. (Drawing tens of GB with torch.randn takes tens of minutes on
-    a shared 2-core machine; for quantizing and timing, values that are normal in distribution are what
-    matters, and runs of 64 Ki values from 16 Mi draws repeat nothing a group or a row would notice.)"""
+    """Normal values at memory speed: a pool of POOL standard normal draws, scaled once per distinct
+    (std, mean) and rounded to bf16, handed out as runs of RUN values from random offsets with random
+    signs (a sign flip is exact in bf16). Drawing tens of GB with torch.randn takes tens of minutes on a
+    shared 2-core machine; for quantizing and timing, values normal in distribution are what matters,
+    and runs of 64 Ki values out of 16 Mi draws repeat nothing a group or a row would notice."""
 
     POOL = 1 << 24
     RUN = 1 << 16
@@ -123,28 +124,44 @@ class Normals:
     def __init__(self, gen: torch.Generator):
         self.gen = gen
         self.pool = torch.randn(self.POOL, generator=gen)
+        self._scaled: Dict[Tuple[float, float], torch.Tensor] = {}
 
-    def draw(self, shape) -> torch.Tensor:
+    def draw(self, shape, std: float = 1.0, mean: float = 0.0) -> torch.Tensor:
+        """bf16 tensor of `shape`, normal(mean, std) (sign flips make mean != 0 symmetric about -mean too:
+        callers pass mean 0 for matrices; small vectors come from torch.randn)."""
         numel = math.prod(shape)
-        out = torch.empty(numel)
+        if numel < self.RUN:
+            return (torch.randn(tuple(shape), generator=self.gen) * std + mean).to(torch.bfloat16)
+        key = (std, mean)
+        if key not in self._scaled:
+            if len(self._scaled) > 4:
+                self._scaled.clear()
+            self._scaled[key] = (self.pool * std + mean).to(torch.bfloat16)
+        pool = self._scaled[key]
+        out = torch.empty(numel, dtype=torch.bfloat16)
         runs = (numel + self.RUN - 1) // self.RUN
         offsets = torch.randint(0, self.POOL - self.RUN, (runs,), generator=self.gen).tolist()
-        signs = (torch.randint(0, 2, (runs,), generator=self.gen) * 2 - 1).tolist()
-        for i, (off, sign) in enumerate(zip(offsets, signs)):
+        signs = torch.randint(0, 2, (runs,), generator=self.gen).tolist()
+        for i, (off, flip) in enumerate(zip(offsets, signs)):
             n = min(self.RUN, numel - i * self.RUN)
-            torch.mul(self.pool[off:off + n], sign, out=out[i * self.RUN:i * self.RUN + n])
-        return out.reshape(shape)
+            dst, src = out[i * self.RUN:i * self.RUN + n], pool[off:off + n]
+            if flip and mean == 0.0:
+                torch.neg(src, out=dst)
+            else:
+                dst.copy_(src)
+        return out.reshape(tuple(shape))
 
 
 def _values(stat, shape, rows: slice, normals: Normals) -> torch.Tensor:
+    """bf16 values of `rows` of a tensor of `shape` with the tiny model's statistics `stat`."""
     mean, std, tiny_fan_in, constant = stat
     shape = (rows.stop - rows.start,) + tuple(shape[1:]) if len(shape) else ()
     if constant:
-        return torch.full(shape, mean)
+        return torch.full(shape, mean).to(torch.bfloat16)
     if len(shape) >= 2:
         std = std * math.sqrt(tiny_fan_in / math.prod(shape[1:]))
         mean = 0.0
-    return normals.draw(shape) * std + mean
+    return normals.draw(shape, std, mean)
 
 
 def write_real_shapes(model: str, layers: int, out: str, *, seed: int = 0, hf_config=None) -> Dict[str, int]:
@@ -175,13 +192,13 @@ def write_real_shapes(model: str, layers: int, out: str, *, seed: int = 0, hf_co
             def parts(name=name, shape=shape, rows=rows, step=step, key=key):
                 for r0 in range(0, rows, step):
                     r1 = min(rows, r0 + step)
-                    yield r0, r1, {name: _values(stats[key], shape, slice(r0, r1), normals).to(torch.bfloat16)}
+                    yield r0, r1, {name: _values(stats[key], shape, slice(r0, r1), normals)}
 
             if shards.add_row_blocks([(name, placeholder(out_dtype, shape))], rows, parts):
                 count += 1
                 continue
         value = _values(stats[key], shape, slice(0, shape[0] if len(shape) else 0), normals)
-        shards.add(name, value.to(out_dtype).contiguous())
+        shards.add(name, value.to(out_dtype).contiguous())  # (non-float tensors: exact small values)
         count += 1
     shards.close()
     progress = os.path.join(out, ShardWriter.JOURNAL)
