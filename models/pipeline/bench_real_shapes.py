@@ -22,6 +22,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -78,7 +79,7 @@ def timed_run(cmd: List[str], *, max_rss: float, timeout_s: int, env: Dict[str, 
     """Run cmd under /usr/bin/time -v; returns lines (seconds since start, text), peak RSS, status."""
     start = time.perf_counter()
     proc = subprocess.Popen(["/usr/bin/time", "-v"] + cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            env=env, text=True, errors="replace", bufsize=1)
+                            env=env, text=True, errors="replace", bufsize=1, start_new_session=True)
     state = {"stopped": None, "seen_rss": 0}
 
     def watch():
@@ -87,10 +88,10 @@ def timed_run(cmd: List[str], *, max_rss: float, timeout_s: int, env: Dict[str, 
             state["seen_rss"] = max(state["seen_rss"], rss)
             if rss > max_rss:
                 state["stopped"] = f"stopped at {rss / 1e9:.1f} GB resident (--max_rss_gb)"
-                proc.kill()
+                os.killpg(proc.pid, signal.SIGKILL)  # time -v and the run under it
             elif time.perf_counter() - start > timeout_s:
                 state["stopped"] = f"stopped after {timeout_s} s (--timeout_s)"
-                proc.kill()
+                os.killpg(proc.pid, signal.SIGKILL)
             time.sleep(0.5)
 
     threading.Thread(target=watch, daemon=True).start()
@@ -106,6 +107,7 @@ def timed_run(cmd: List[str], *, max_rss: float, timeout_s: int, env: Dict[str, 
         m = re.search(r"Maximum resident set size \(kbytes\): (\d+)", text)
         if m:
             peak = int(m.group(1)) * 1024
+    # time -v's figure when the run ended by itself; the watchdog's largest sample when it was stopped
     return {"lines": lines, "peak_rss": peak or state["seen_rss"], "seconds": time.perf_counter() - start,
             "rc": proc.returncode, "stopped": state["stopped"]}
 
