@@ -49,6 +49,9 @@ class Architecture:
     target: str = ""
     # One line per preset saying what it does (the recipe files' "description"), for --list_recipes.
     recipe_descriptions: Dict[str, str] = dataclasses.field(default_factory=dict)
+    # --verify's comparison (models/pipeline/verify.py's `verify` signature); None: that one, with the
+    # model this architecture builds. The model-free architecture (models/pipeline/generic.py) sets its own.
+    verify: Optional[Callable[..., Any]] = None
 
     def reads(self, hf_config: Dict[str, Any]) -> bool:
         """Whether a config.json dict is of this architecture (by its model_type)."""

@@ -28,7 +28,41 @@ flags.DEFINE_enum("backend", "bundle", backend_names(), "Terminal writer (one of
                   "flags): " + "; ".join(f"{n} = {get_backend(n).description}" for n in backend_names()) + ".")
 flags.DEFINE_string("out", None, "Output folder (default: out/<arch>-<recipe>; a temp folder for the embedded default).")
 flags.DEFINE_boolean("resume", True, "Reuse finished shards of an interrupted run into the same --out.")
-flags.DEFINE_integer("max_shard_size", 2 << 30, "Maximum bytes per output shard.", lower_bound=1 << 16)
+
+
+class ByteSizeParser(flags.ArgumentParser):
+    """A size in bytes: a plain integer, or a number with a unit (kB/MB/GB/TB: powers of 1000, KiB/MiB/
+    GiB/TiB: of 1024, case-insensitive; "5GB", "500MiB", "1.5 GiB")."""
+
+    UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+             "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 10**3, "m": 10**6, "g": 10**9}
+    MINIMUM = 1 << 16
+    syntactic_help = "bytes, or a number with a unit: 5GB, 500MiB"
+
+    def parse(self, argument):
+        import re
+
+        if isinstance(argument, int):
+            value = argument
+        else:
+            m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", str(argument))
+            unit = m.group(2).lower() if m else None
+            if m is None or unit not in self.UNITS:
+                raise ValueError(f"{argument!r} is not a size (expected bytes or a number with a unit: 5GB, 500MiB, "
+                                 "2GiB)")
+            value = int(float(m.group(1)) * self.UNITS[unit])
+        if value < self.MINIMUM:
+            raise ValueError(f"{argument!r} is under the minimum of {self.MINIMUM} bytes (64 KiB)")
+        return value
+
+    def flag_type(self):
+        return "size"
+
+
+flags.DEFINE(ByteSizeParser(), "max_shard_size", 2 << 30, "Maximum size of one output shard: bytes or a number with "
+             "a unit (\"5GB\", \"500MiB\"; default 2 GiB).")
+flags.DEFINE_boolean("dry_run", False, "Print the estimated output size and real bits per weight for every backend "
+                     "(from the checkpoint's headers and the recipe), then exit without writing anything.")
 flags.DEFINE_boolean("verify", None, "Read the output back and compare it with the unquantized model layer by "
                      "layer, in bounded memory (default: on at every size, where the backend reads its output back). "
                      "A failed check (non-finite logits, or logits noise over 4x that of round-to-nearest of the "
@@ -73,6 +107,19 @@ for _name in ("verify_min_cosine", "budget_bits_per_weight"):  # absl's bounds l
 def main_for(arch: Architecture) -> None:
     """absl entry point of a model's quantize_and_save binary; a checkpoint of another architecture
     registered in the process (models/architectures.py) is told which target to use."""
+    _main_with(lambda checkpoint: arch, arch)
+
+
+def main_model_free() -> None:
+    """absl entry point of //models:quantize: any checkpoint, its architecture read off it
+    (models/pipeline/generic.py); --list_recipes without --checkpoint lists llmq's generic presets."""
+    from models.pipeline.generic import LISTING, model_free_architecture
+
+    _main_with(lambda checkpoint: model_free_architecture(checkpoint, FLAGS.backend), LISTING)
+
+
+def _main_with(resolve, listing: Architecture) -> None:
+    """The command line over `resolve(checkpoint) -> Architecture` (UsageError: one line)."""
 
     def _main(argv):
         if len(argv) > 1:
@@ -80,6 +127,7 @@ def main_for(arch: Architecture) -> None:
             return 2
         if FLAGS.list_recipes:
             try:
+                arch = resolve(_user_path(FLAGS.checkpoint)) if FLAGS.checkpoint else listing
                 print(list_recipes(arch, FLAGS.backend))
             except UsageError as e:
                 print(f"error: {e}", file=sys.stderr)
@@ -90,6 +138,7 @@ def main_for(arch: Architecture) -> None:
             recipe = FLAGS.recipe
             if recipe and os.path.sep in recipe:
                 recipe = _user_path(recipe)
+            arch = resolve(_user_path(FLAGS.checkpoint))
             run(arch, checkpoint=_user_path(FLAGS.checkpoint), recipe=recipe, backend=FLAGS.backend,
                 out=_user_path(FLAGS.out),
                 resume=FLAGS.resume, max_shard_size=FLAGS.max_shard_size, verify=FLAGS.verify, seed=FLAGS.seed,
@@ -97,7 +146,7 @@ def main_for(arch: Architecture) -> None:
                 verify_warn_only=FLAGS.verify_warn_only, progress=progress,
                 error_report=_error_report_wanted(), calibration_text=_user_path(FLAGS.calibration_text),
                 calibration_tokens=FLAGS.calibration_tokens, budget_bits_per_weight=FLAGS.budget_bits_per_weight,
-                budget_method=FLAGS.budget_method, requantize_gguf=FLAGS.requantize_gguf)
+                budget_method=FLAGS.budget_method, requantize_gguf=FLAGS.requantize_gguf, dry_run=FLAGS.dry_run)
         except (UsageError, CheckpointError, FileExistsError) as e:
             print(f"error: {cli_wording(str(e))}", file=sys.stderr)
             return 2
@@ -213,10 +262,58 @@ def parse_flags_or_exit(argv):
         if asked[0].endswith("helpfull"):
             print(FLAGS.get_help())
         else:
-            print(FLAGS.module_help(sys.modules[__name__]))
+            print(grouped_help())
         sys.exit(0)
     try:
         return FLAGS(argv)
     except flags.Error as e:
-        print(f"error: {e} (see --help)", file=sys.stderr)
+        print(f"error: {e}{_enum_suggestion(argv)} (see --help)", file=sys.stderr)
         sys.exit(2)
+
+
+# --help's sections, by what a person looks for; a flag of this module in none of them is listed under
+# "advanced" (so a flag added later is never missing from --help).
+HELP_GROUPS = (
+    ("input", ("checkpoint", "requantize_gguf", "seed")),
+    ("output and backend", ("backend", "out", "max_shard_size", "resume")),
+    ("recipe", ("recipe", "list_recipes", "dry_run", "budget_bits_per_weight", "budget_method")),
+    ("quality", ("calibration_text", "calibration_tokens", "error_report")),
+    ("verification", ("verify", "verify_min_cosine", "verify_warn_only", "use_moe_quantized_op")),
+)
+
+
+def grouped_help() -> str:
+    """This tool's flags under HELP_GROUPS' headings (absl's own --helpfull lists every module's)."""
+    import textwrap
+
+    mine = {f.name: f for f in FLAGS.flags_by_module_dict().get(__name__, [])}
+    listed = {n for _, names in HELP_GROUPS for n in names}
+    groups = list(HELP_GROUPS) + [("advanced", tuple(sorted(n for n in mine if n not in listed)))]
+    out = []
+    for title, names in groups:
+        present = [mine[n] for n in names if n in mine]
+        if not present:
+            continue
+        out.append(f"{title}:")
+        for flag in present:
+            default = flag.default_as_str if flag.default is not None else "unset"
+            out.append(f"  --{flag.name}  (default: {default})")
+            out += textwrap.wrap(flag.help, width=100, initial_indent="      ", subsequent_indent="      ")
+        out.append("")
+    out.append("--helpfull lists every flag of every module (absl's own included).")
+    return "\n".join(out)
+
+
+def _enum_suggestion(argv) -> str:
+    """" (did you mean 'x'?)" for a --flag=value whose value is not one of the flag's choices."""
+    from llmq.did_you_mean import did_you_mean
+
+    for arg in argv[1:]:
+        if not (arg.startswith("-") and "=" in arg):
+            continue
+        name, value = arg.lstrip("-").split("=", 1)
+        if name in FLAGS:
+            choices = getattr(FLAGS[name].parser, "enum_values", None)
+            if choices and value not in choices:
+                return did_you_mean(value, choices)
+    return ""

@@ -9,8 +9,9 @@ import torch
 from models.pipeline.quantize_and_save import main_for
 
 
-def run_main(arch, args, tmp_path, *, timeout: int = 300):
-    """main_for(arch) with argv `args` in a forked child: (exit status, stdout, stderr). The child
+def run_main(arch, args, tmp_path, *, timeout: int = 300, entry=None):
+    """main_for(arch) (or `entry()`, e.g. main_model_free) with argv `args` in a forked child: (exit status,
+    stdout, stderr). The child
     is killed by SIGALRM after `timeout` seconds (a hang fails the case instead of the whole target)."""
     out_file, err_file = tmp_path / "child.stdout", tmp_path / "child.stderr"
     sys.stdout.flush()
@@ -29,7 +30,7 @@ def run_main(arch, args, tmp_path, *, timeout: int = 300):
                 torch.set_num_threads(1)
                 signal.alarm(timeout)
                 try:
-                    main_for(arch)
+                    entry() if entry is not None else main_for(arch)
                     code = 0
                 except SystemExit as exit_info:
                     code = exit_info.code if isinstance(exit_info.code, int) else 1

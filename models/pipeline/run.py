@@ -99,7 +99,7 @@ def run(arch: Architecture, *, checkpoint: Optional[str], recipe: Optional[str],
         use_moe_op: bool = False, verify_min_cosine: Optional[float] = None, verify_warn_only: bool = False,
         error_report: bool = False, calibration_text: Optional[str] = None,
         calibration_tokens: int = 512, budget_bits_per_weight: Optional[float] = None,
-        budget_method: str = "hqq", requantize_gguf: bool = False) -> Dict:
+        budget_method: str = "hqq", requantize_gguf: bool = False, dry_run: bool = False) -> Dict:
     """The whole job; returns the numbers it printed (for tests)."""
     try:
         writer = get_backend(backend)
@@ -109,6 +109,7 @@ def run(arch: Architecture, *, checkpoint: Optional[str], recipe: Optional[str],
     recipe_name = recipe or arch.default_recipe
     try:
         quant_recipe: QuantRecipe = load_recipe(recipe_name, presets=arch.presets)
+        loaded_recipe = quant_recipe
         quant_recipe = writer.recipe_for(quant_recipe)  # e.g. int4 g32 -> GGUF's q4_0
         quant_recipe.check_formats(writer.accepts_formats, f"--backend {backend}")  # before any work
     except ValueError as e:
@@ -161,6 +162,9 @@ def run(arch: Architecture, *, checkpoint: Optional[str], recipe: Optional[str],
         # bits per weight below (budget, error report, summary) counts what it writes.
         storage = storage_of(writer, job)
         quant_recipe = with_scale_dtypes(quant_recipe, storage)
+        estimate = _estimate(arch, config, checkpoint, model_input.from_gguf, loaded_recipe, writer, job, dry_run)
+        if dry_run:
+            return {"estimate": estimate}
 
         def model_stream(notes=None, chunk_bytes=None):
             stream = checked_stream(model_input.stream(notes, chunk_bytes), expected, checkpoint)
@@ -289,7 +293,7 @@ def run(arch: Architecture, *, checkpoint: Optional[str], recipe: Optional[str],
                        "bytes_in": tally.bytes_in, "bytes_out": tally.bytes_out, "progress_total": len(names)})
         failure = None
         if verify:
-            check_rows, check, failure = verification.verify(
+            check_rows, check, failure = (arch.verify or verification.verify)(
                 arch, config, model_input, writer, job, written, lambda: model_stream(), recipe=quant_recipe,
                 seed=seed, min_cosine=verify_min_cosine, use_moe_op=use_moe_op)
             rows += check_rows
@@ -315,6 +319,34 @@ def run(arch: Architecture, *, checkpoint: Optional[str], recipe: Optional[str],
         if kind == "embedded":
             print("[embedded default] pass --checkpoint=<HF folder> to quantize a real model")
         return result
+
+
+def _estimate(arch: Architecture, config, checkpoint: str, from_gguf: bool, recipe: QuantRecipe, writer, job,
+              every_backend: bool):
+    """The output's size from the headers (models/pipeline/size_estimate.py), printed before any work:
+    this backend's line, or with every_backend (--dry_run) every registered backend's."""
+    from llmq.backend import backend_names
+    from models.pipeline import size_estimate
+
+    tensors = size_estimate.input_tensors(checkpoint, arch.key_map, from_gguf)
+    if not tensors:
+        print("estimate: not available (the input's shapes need reading its tensors)")
+        return None
+    layers = arch.num_layers(config)
+    mine = size_estimate.for_backend(writer, recipe, tensors, layers, quantizable_module, job=job, gguf=from_gguf)
+    if not every_backend:
+        print(f"estimate (--backend {writer.name}): {mine.line() if hasattr(mine, 'line') else mine}", flush=True)
+        return mine
+    rows = []
+    for name in backend_names():
+        other = get_backend(name)
+        why = getattr(arch, "refuses", lambda w: "")(other)
+        rows.append((name, f"not written: {why}" if why else mine if other is writer else size_estimate.for_backend(
+            other, recipe, tensors, layers, quantizable_module, gguf=from_gguf)))
+    print(f"--dry_run: {checkpoint} with --recipe {job.recipe_name}, nothing written; estimated output "
+          "(tensors only, side files not counted):")
+    print(size_estimate.table(rows))
+    return mine
 
 
 def _refuse_ignored_flags(writer, checkpoint: Optional[str], *, calibration_text: Optional[str],

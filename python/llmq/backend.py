@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
 
+from llmq.did_you_mean import did_you_mean
 from llmq.quant.storage import CANONICAL, Storage
 
 Stream = Iterable[Tuple[str, Any]]
@@ -112,6 +113,9 @@ class Backend:
       and the pipeline's default verification is then skipped with a line saying why (an explicit
       --verify is refused).
     - checks_consumer (False): True where `check_consumer` loads the folder as its consumer does.
+    - needs_model (""): why the backend needs knowledge of the model beyond its tensors and config.json
+      (its consumer's names or metadata per architecture); "" where it needs none. Model-free
+      quantization (models/pipeline/generic.py) refuses a backend with a reason, quoting it.
     - check(job): refuse a job before any work (BackendError, one line); default: accept.
     - write(stream, job) -> path: required.
     - reload(path, job) -> {name: value}: required where `reloads`.
@@ -137,6 +141,7 @@ class Backend:
     needs_tokenizer_files: bool = False
     reloads: bool = True
     checks_consumer: bool = False
+    needs_model: str = ""
 
     def recipe_for(self, recipe: Any) -> Any:
         """The recipe in the formats this backend stores (ValueError for a rule it cannot hold)."""
@@ -217,7 +222,8 @@ def get_backend(name: str) -> Backend:
     try:
         return _REGISTRY[name]
     except KeyError:
-        raise ValueError(f"backend {name!r} unknown; expected one of {', '.join(backend_names())}") from None
+        raise ValueError(f"backend {name!r} unknown{did_you_mean(name, backend_names())}; expected one of "
+                         f"{', '.join(backend_names())}") from None
 
 
 def storage_of(backend: Backend, job: Optional[WriteJob] = None) -> Callable[[Any], Storage]:

@@ -152,6 +152,8 @@ class GGUFBackend(Backend):
                    "llmq's integer weights exactly, kept tensors F32/F16/BF16")
     accepts_formats = tuple(BLOCK_TYPES)
     takes_float = False
+    needs_model = ("llama.cpp's tensor names, value transforms (e.g. Llama's q/k row order) and <arch>.* metadata "
+                   "come from llmq's model code (models/<m>/gguf_checkpoint.py)")
 
     def __init__(self):
         self._counts: Dict[str, collections.Counter] = {}

@@ -140,6 +140,16 @@ class HfExportBackend(Backend):
                     "(W4A4) and llmq writes weight-only NVFP4; use --backend hf-compressed-tensors (NVFP4A16, loaded by "
                     "transformers and vLLM)")
 
+    def recipe_for(self, recipe: Any) -> Any:
+        """The recipe with the modules the export keeps in high precision (embeddings, lm_head, MoE routers
+        and shared-expert gates: llmq.export's DEFAULT_KEEP_UNQUANTIZED, what vLLM and TensorRT-LLM load
+        as plain layers) kept first, so the counts and estimates say what the folder holds."""
+        from llmq.export.writer import DEFAULT_KEEP_UNQUANTIZED
+        from llmq.quant import QuantRecipe, QuantRule
+
+        return QuantRecipe([QuantRule(p, None) for p in DEFAULT_KEEP_UNQUANTIZED] + list(recipe.rules),
+                           num_layers=getattr(recipe, "num_layers", None))
+
     def written_bits(self, path: str) -> Tuple[int, int]:
         """(bits, weights) of the weights the export quantized into `path` (counted by `storage`)."""
         return self._written.pop(path, (0, 0))

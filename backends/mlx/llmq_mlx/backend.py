@@ -71,12 +71,16 @@ def mlx_storage(config: Any, scale_dtype: torch.dtype) -> Storage:
     `scale_dtype`, for symmetric formats too; scales `scale_dtype` cannot hold exactly (a GGUF block
     imported as it is) in the first of float16, float32 that does (the writer's WIDER_SCALE_DTYPES)."""
     from llmq_mlx.mlx_lm_writer import WIDER_SCALE_DTYPES
-    from llmq_mlx.regroup import mlx_group_size_for
+    from llmq_mlx.regroup import fallback_params, mlx_group_size_for
 
     def tensors(dtype: torch.dtype, shape):
         k = shape[-1]
-        group = mlx_group_size_for(config.group_size_for(k), k)
-        return group_tensors(config.bits, group, code_dtype=torch.uint32)(dtype, shape)
+        bits = config.bits
+        try:
+            group = mlx_group_size_for(config.group_size_for(k), k)
+        except ValueError:  # an imported block MLX cannot hold: re-quantized as `_representable` does
+            bits, group = fallback_params(config.bits, config.group_size_for(k), k)
+        return group_tensors(bits, group, code_dtype=torch.uint32)(dtype, shape)
 
     return Storage(scale_dtype=scale_dtype, tensors=tensors, widen_to=WIDER_SCALE_DTYPES)
 
@@ -197,25 +201,25 @@ def mlx_recipe(recipe: Any) -> Tuple[Any, List[str]]:
 
 def _representable(stream: Iterable[Tuple[str, Value]], job: WriteJob) -> Iterator[Tuple[str, Value]]:
     """Integer weights MLX cannot hold as they are (a GGUF's 6-bit Q6_K blocks of 16, say) are
-    re-quantized from their exact dequantized values with the recipe's config for that module
-    (int4 g32 when the recipe keeps it); one note says how many."""
+    re-quantized from their exact dequantized values in their own size class: the same bit width (7 -> 8)
+    in the finest MLX group that divides the row (llmq_mlx.regroup.fallback_params: Q6_K -> 6-bit g32),
+    never wider than that and never float; one note says how many."""
     from llmq.quant import QuantConfig, dequantize, quantize_weight
-    from llmq_mlx.regroup import MLX_BITS, MLX_GROUP_SIZES
+    from llmq_mlx.regroup import MLX_BITS, MLX_GROUP_SIZES, fallback_params
 
-    bound = job.recipe.bind(job.num_layers)
     redone: List[str] = []
     for name, value in stream:
         if isinstance(value, GroupQuantizedWeight) and (value.bits not in MLX_BITS
                                                         or value.group_size not in MLX_GROUP_SIZES):
-            module = name[: -len(".weight")] if name.endswith(".weight") else name
-            config = bound.get_config(module) or QuantConfig(bits=4, group_size=32,
-                                                             scale_dtype=mlx_scale_dtype(job.hf_config))
+            bits, group = fallback_params(value.bits, value.group_size, value.shape[-1], name)
+            config = QuantConfig(bits=bits, group_size=group, symmetric=False,
+                                 scale_dtype=mlx_scale_dtype(job.hf_config))
             value = quantize_weight(dequantize(value, torch.float32), config, name=name)
             redone.append(f"{name} -> {config.describe()}")
         yield name, value
     if redone:
         print(f"note: --backend mlx: {len(redone)} imported weight(s) had a bit width or group size MLX cannot hold "
-              f"and were re-quantized from their exact dequantized values with the recipe (e.g. {redone[0]})")
+              f"and were re-quantized from their exact dequantized values at their own bit width (e.g. {redone[0]})")
 
 
 class MlxBackend(Backend):
@@ -227,6 +231,7 @@ class MlxBackend(Backend):
     takes_float = False
     checks_consumer = True  # mlx_lm.load runs the folder
     needs_tokenizer_files = True  # a GGUF input's tokenizer is written out as files for mlx_lm.load
+    needs_model = "mlx-lm's tensor names and config per model_type come from llmq's model code (llmq_mlx.mlx_lm_models)"
 
     # The text check's prompt and length (models.common.text_check; a backend imports no model code).
     text_prompt = "The capital of France is"

@@ -18,6 +18,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from llmq.did_you_mean import did_you_mean
 from llmq.quant.formats import format_names, get_format
 
 # The canonical group-wise integer format (the default); every format name is looked up in the
@@ -126,7 +127,9 @@ class QuantConfig:
 
     def __post_init__(self):
         if not isinstance(self.format, str) or self.format not in format_names():
-            raise ValueError(f"QuantConfig.format={self.format!r} unknown; expected one of {format_names(quantizable=True)}")
+            raise ValueError(f"QuantConfig.format={self.format!r} unknown"
+                             f"{did_you_mean(self.format, format_names(quantizable=True))}; expected one of "
+                             f"{format_names(quantizable=True)}")
         fmt = get_format(self.format)
         if not fmt.can_quantize:
             raise ValueError(f"QuantConfig.format={self.format!r} is import-only; expected one of {format_names(quantizable=True)}")
