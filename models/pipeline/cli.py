@@ -297,8 +297,9 @@ def grouped_help() -> str:
         out.append(f"{title}:")
         for flag in present:
             default = flag.default_as_str if flag.default is not None else "unset"
-            out.append(f"  --{flag.name}  (default: {default})")
-            out += textwrap.wrap(flag.help, width=100, initial_indent="      ", subsequent_indent="      ")
+            name = f"--{'[no]' if flag.boolean else ''}{flag.name}"
+            out += textwrap.wrap(f"{name}: {flag.help} (default: {default})", width=110, initial_indent="  ",
+                                 subsequent_indent="      ")
         out.append("")
     out.append("--helpfull lists every flag of every module (absl's own included).")
     return "\n".join(out)

@@ -66,17 +66,19 @@ def test_preset_replaces_the_right_modules_and_reports():
     report = quantize_model(m, get_preset("int4"))
     assert report.model is m
     quantized = {e.fqn for e in report.entries}
-    assert quantized == {f"layers.{i}.{p}" for i in range(3) for p in ("self_attn.q_proj", "up_proj", "down_proj")}
-    assert set(report.kept) == {"embed_tokens", "lm_head"} | {f"layers.{i}.gate" for i in range(3)}
-    assert isinstance(m.layers[0].up_proj, QuantizedLinear)
-    assert type(m.layers[0].gate) is nn.Linear and type(m.lm_head) is nn.Linear
+    projections = {f"layers.{i}.{p}" for i in range(3) for p in ("self_attn.q_proj", "up_proj", "down_proj")}
+    assert quantized == projections | {"embed_tokens", "lm_head"}  # the embedding and the head at 8 bits
+    assert set(report.kept) == {f"layers.{i}.gate" for i in range(3)}
+    assert isinstance(m.layers[0].up_proj, QuantizedLinear) and isinstance(m.lm_head, QuantizedLinear)
+    assert m.lm_head.quantized_weight().bits == 8
+    assert type(m.layers[0].gate) is nn.Linear
     e = next(e for e in report.entries if e.fqn == "layers.0.up_proj")
     assert e.shape == (128, 64) and e.kind == "linear"
     assert e.bytes_before == 128 * 64 * 4
     assert e.bytes_after == 128 * 32 + 2 * 128 * 2 * 4  # packed nibbles + fp32 scale and bias per group
     assert report.bytes_after < report.bytes_before
     table = report.format_table()
-    assert "layers.0.up_proj" in table and "9 modules quantized" in table
+    assert "layers.0.up_proj" in table and "11 modules quantized" in table
 
 
 def test_forward_matches_dequantized_reference():

@@ -212,10 +212,14 @@ def test_presets_exist_and_skip_the_right_modules():
     for name in ("int4", "int8", "int4-asym", "int4-mixed"):
         assert name in PRESETS
     r = get_preset("int4")
-    kept = ["model.embed_tokens", "lm_head", "model.layers.0.mlp.gate", "model.layers.0.mlp.shared_expert_gate",
+    kept = ["model.layers.0.mlp.gate", "model.layers.0.mlp.shared_expert_gate",
             "model.layers.0.input_layernorm", "model.norm", "model.layers.0.linear_attn.conv1d", "model.layers.0.mlp.router"]
     for fqn in kept:
         assert r.get_config(fqn) is None, fqn
+    for fqn in ("model.embed_tokens", "lm_head", "transformer.wte"):  # 8-bit, not float (their size)
+        assert r.get_config(fqn) == QuantConfig(bits=8, group_size=32, symmetric=True), fqn
+    assert get_preset("nvfp4").get_config("model.embed_tokens").format == "fp8"
+    assert get_preset("mxfp4").get_config("lm_head").format == "mxfp8"
     for fqn in ["model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj", "model.layers.0.self_attn.q_proj",
                 "model.layers.0.mlp.experts.3.down_proj", "model.layers.0.linear_attn.in_proj_qkvz"]:
         assert r.get_config(fqn) == QuantConfig(bits=4, group_size=32, symmetric=True), fqn

@@ -33,8 +33,12 @@ def test_quantizes_mapped_weights_and_passes_the_rest():
     out = dict(quantize_stream(iter(src.items()), get_preset("int4")))
     assert list(out) == list(src)  # order preserved, nothing dropped
     quantized = {k for k, v in out.items() if isinstance(v, GroupQuantizedWeight)}
-    assert quantized == {"model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.experts.down_proj.weight"}
+    eight_bit = {"model.embed_tokens.weight", "lm_head.weight"}  # the presets' 8-bit embedding and head
+    assert quantized == {"model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.experts.down_proj.weight"} | eight_bit
+    assert all(out[k].bits == 8 for k in eight_bit)
     for k in src:
+        if k in eight_bit:
+            continue
         if k in quantized:
             ref = quantize_weight(src[k], CFG)
             assert torch.equal(out[k].qdata, ref.qdata) and torch.equal(out[k].scale, ref.scale)
