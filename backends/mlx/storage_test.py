@@ -59,3 +59,22 @@ def test_declared_bits_are_the_written_bytes(tmp_path, group):
         assert storage.bits(tuple(w.shape), value) == written, module
     # int4 with a 16-bit scale and bias per MLX group (a whole row is written as groups of 128)
     assert storage.bits(tuple(w.shape), q) == w.numel() * (4 + 32 / (group or 128))
+
+
+def test_unrepresentable_import_keeps_its_size_class():
+    """A GGUF Q6_K-like weight (6-bit groups of 16, which MLX cannot hold) is re-quantized at 6 bits in MLX
+    groups of 32 from its exact values - never 4-bit, never float - and the storage counts exactly that."""
+    from llmq.backend import WriteJob
+    from llmq.quant import dequantize
+    from llmq_mlx.backend import _representable
+
+    w = torch.randn(64, 128, generator=torch.Generator().manual_seed(0))
+    q6 = quantize_weight(w, QuantConfig(bits=6, group_size=16, symmetric=False))
+    job = WriteJob(out="unused", recipe=None, recipe_name="int4", architecture="test", hf_config={"torch_dtype": "bfloat16"})
+    (name, got), = list(_representable(iter([("model.layers.0.mlp.down_proj.weight", q6)]), job))
+    assert (got.bits, got.group_size) == (6, 32)
+    exact = dequantize(q6, torch.float32)
+    step = (exact.amax(1) - exact.amin(1)).max() / 63
+    assert float((dequantize(got, torch.float32) - exact).abs().max()) <= float(step)  # within one 6-bit step
+    storage = mlx_storage(QuantConfig(bits=6, group_size=16, symmetric=False), mlx_scale_dtype(job.hf_config))
+    assert storage.bits((64, 128)) == 64 * 128 * 6 + 64 * (128 // 32) * 2 * 16

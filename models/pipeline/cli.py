@@ -115,6 +115,7 @@ def main_model_free() -> None:
     (models/pipeline/generic.py); --list_recipes without --checkpoint lists llmq's generic presets."""
     from models.pipeline.generic import LISTING, model_free_architecture
 
+    _usage[0] = MODEL_FREE_USAGE
     _main_with(lambda checkpoint: model_free_architecture(checkpoint, FLAGS.backend), LISTING)
 
 
@@ -236,6 +237,13 @@ deterministic model of this architecture is written to a temporary folder and qu
 deleted at exit unless --out is given). Failures: one line on stderr, exit status 2.
 """
 
+MODEL_FREE_USAGE = """Quantize any checkpoint without model code: read -> recipe rules over tensor names -> quantize ->
+write (--backend) to --out, then (--verify) reload the output and compare it with the checkpoint: through
+transformers' own model class where transformers knows the architecture, else tensor by tensor.
+--checkpoint is required. Failures: one line on stderr, exit status 2.
+"""
+_usage = [USAGE]
+
 HELP_FLAGS = ("--help", "-help", "-h", "--helpshort", "-helpshort", "-?", "--helpfull", "-helpfull")
 
 
@@ -257,7 +265,7 @@ def parse_flags_or_exit(argv):
         prog = os.path.basename(argv[0]) if argv else "quantize_and_save"
         print(f"usage: {prog} [--checkpoint=DIR|FILE.gguf] [--recipe=NAME|FILE] [--backend={'|'.join(backend_names())}] "
               "[--out=DIR] [flags]\n")
-        print(USAGE)
+        print(_usage[0])
         print(backends_help() + "\n")
         if asked[0].endswith("helpfull"):
             print(FLAGS.get_help())

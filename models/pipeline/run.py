@@ -162,7 +162,8 @@ def run(arch: Architecture, *, checkpoint: Optional[str], recipe: Optional[str],
         # bits per weight below (budget, error report, summary) counts what it writes.
         storage = storage_of(writer, job)
         quant_recipe = with_scale_dtypes(quant_recipe, storage)
-        estimate = _estimate(arch, config, checkpoint, model_input.from_gguf, loaded_recipe, writer, job, dry_run)
+        estimate = _estimate(arch, config, checkpoint, model_input.from_gguf, requantize_gguf, loaded_recipe, writer,
+                             job, dry_run)
         if dry_run:
             return {"estimate": estimate}
 
@@ -257,6 +258,9 @@ def run(arch: Architecture, *, checkpoint: Optional[str], recipe: Optional[str],
             ("bytes after", f"{tally.bytes_out:,} ({tally.bytes_out / max(tally.bytes_in, 1):.3f}x)"),
             ("time", f"{seconds:.2f} s"),
         ]
+        if estimate is not None and hasattr(estimate, "bytes_out"):  # what was printed before the work
+            rows.insert(rows.index(("time", f"{seconds:.2f} s")), ("bytes estimated", f"{estimate.bytes_out:,} "
+                                                                   "(before the run, from the headers)"))
         if tally.quantized_weights:
             rows.insert(rows.index(("time", f"{seconds:.2f} s")), ("quantized weights", (
                 f"{tally.quantized_bits / tally.quantized_weights:.4f} bits per weight as written "
@@ -321,8 +325,8 @@ def run(arch: Architecture, *, checkpoint: Optional[str], recipe: Optional[str],
         return result
 
 
-def _estimate(arch: Architecture, config, checkpoint: str, from_gguf: bool, recipe: QuantRecipe, writer, job,
-              every_backend: bool):
+def _estimate(arch: Architecture, config, checkpoint: str, from_gguf: bool, requantize_gguf: bool, recipe: QuantRecipe,
+              writer, job, every_backend: bool):
     """The output's size from the headers (models/pipeline/size_estimate.py), printed before any work:
     this backend's line, or with every_backend (--dry_run) every registered backend's."""
     from llmq.backend import backend_names
@@ -333,7 +337,8 @@ def _estimate(arch: Architecture, config, checkpoint: str, from_gguf: bool, reci
         print("estimate: not available (the input's shapes need reading its tensors)")
         return None
     layers = arch.num_layers(config)
-    mine = size_estimate.for_backend(writer, recipe, tensors, layers, quantizable_module, job=job, gguf=from_gguf)
+    blocks = from_gguf and not requantize_gguf
+    mine = size_estimate.for_backend(writer, recipe, tensors, layers, quantizable_module, job=job, gguf=blocks)
     if not every_backend:
         print(f"estimate (--backend {writer.name}): {mine.line() if hasattr(mine, 'line') else mine}", flush=True)
         return mine
@@ -342,7 +347,7 @@ def _estimate(arch: Architecture, config, checkpoint: str, from_gguf: bool, reci
         other = get_backend(name)
         why = getattr(arch, "refuses", lambda w: "")(other)
         rows.append((name, f"not written: {why}" if why else mine if other is writer else size_estimate.for_backend(
-            other, recipe, tensors, layers, quantizable_module, gguf=from_gguf)))
+            other, recipe, tensors, layers, quantizable_module, gguf=blocks)))
     print(f"--dry_run: {checkpoint} with --recipe {job.recipe_name}, nothing written; estimated output "
           "(tensors only, side files not counted):")
     print(size_estimate.table(rows))

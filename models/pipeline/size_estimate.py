@@ -77,14 +77,19 @@ def _bits(storage: Callable[[QuantConfig], Any], config: QuantConfig, shape: Sha
 
 def estimate(backend: str, tensors: Dict[str, Tuple[Shape, str]], config_of: Callable[[str], Optional[QuantConfig]],
              storage: Callable[[QuantConfig], Any], accepts, *, gguf: bool) -> Estimate:
-    """`tensors`: name -> (shape, stored type name); config_of(name) -> the recipe's config (or None)."""
+    """`tensors`: name -> (shape, stored type name); config_of(name) -> the recipe's config (or None).
+    gguf: the input's block-quantized tensors reach the backend as they are (counted in their class)."""
     out = bytes_in = weights = qbits = 0
     cache: Dict = {}
     for name, (shape, stored) in tensors.items():
         numel = math.prod(shape)
         bytes_in += _stored_nbytes(stored, numel)
         config = config_of(name) if len(shape) >= 2 else None
-        if config is None and gguf and stored in GGUF_CLASS:  # kept as the GGUF stores it
+        if gguf and stored in GGUF_CLASS:  # kept as the GGUF stores it, in its size class
+            if "int" not in accepts:  # a GGUF writer: the same blocks
+                b = _stored_nbytes(stored, numel) * 8
+                out, qbits, weights = out + b // 8, qbits + b, weights + numel
+                continue
             bits, group = GGUF_CLASS[stored]
             config = QuantConfig(bits=bits, group_size=group, symmetric=False)
         if config is not None and config.format in accepts:
@@ -135,6 +140,7 @@ def input_tensors(checkpoint: str, key_map, from_gguf: bool) -> Dict[str, Tuple[
 
 def for_backend(writer, recipe, tensors: Dict[str, Tuple[Shape, str]], num_layers: int,
                 module_of: Callable[[str], Optional[str]], *, job=None, gguf: bool = False):
+    # gguf: a GGUF input whose blocks are kept (not --requantize_gguf)
     """The Estimate of `writer` for `recipe` (as loaded), or one line saying why it cannot write it."""
     from llmq.backend import storage_of, with_scale_dtypes
 
@@ -154,4 +160,5 @@ def for_backend(writer, recipe, tensors: Dict[str, Tuple[Shape, str]], num_layer
             module = _GGUF_MODULES.get(module, module)
         return bound.get_config(module)
 
-    return estimate(writer.name, tensors, config_of, storage, writer.accepts_formats, gguf=gguf)
+    # a backend that quantizes by itself gets a GGUF's blocks dequantized: the recipe decides them all
+    return estimate(writer.name, tensors, config_of, storage, writer.accepts_formats, gguf=gguf and not writer.takes_float)
