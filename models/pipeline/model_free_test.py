@@ -30,13 +30,13 @@ CONFIGS = {
 }
 
 
-def _checkpoint(root, model_type, seed=0, **extra):
+def _checkpoint(root, model_type, seed=0, fields=None):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     folder = os.path.join(str(root), model_type)
     if not os.path.isdir(folder):
         torch.manual_seed(seed)
-        config = AutoConfig.for_model(model_type, **{**CONFIGS[model_type], **extra})
+        config = AutoConfig.for_model(model_type, **(fields or CONFIGS[model_type]))
         AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     return folder
 
@@ -192,3 +192,16 @@ def test_did_you_mean_in_the_library():
         get_backend("hf-modelop")
     with pytest.raises(ValueError, match="did you mean 'nvfp4'"):
         QuantConfig(format="nvfp")
+
+
+def test_cli_names_llmqs_own_model_target(tmp_path):
+    """A model_type llmq has model code for (gemma3_text) is still quantized model-free, verified through
+    transformers, and the run names the per-model target."""
+    from models.pipeline.cli import main_model_free
+
+    folder = _checkpoint(tmp_path, "gemma3_text", fields=dict(COMMON, head_dim=16, sliding_window=64))
+    code, out, err = run_main(None, [f"--checkpoint={folder}", f"--out={tmp_path / 'out'}"], tmp_path,
+                              entry=main_model_free)
+    assert code == 0, err[-3000:]
+    assert "//models/gemma3:quantize_and_save" in out and "through transformers' Gemma3ForCausalLM" in out
+    assert out.index("estimate (--backend bundle)") < out.index("verify:")  # the size before the work
