@@ -5,6 +5,8 @@ loading checked against transformers' from_pretrained; the command line's refusa
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -197,11 +199,13 @@ def test_did_you_mean_in_the_library():
 def test_cli_names_llmqs_own_model_target(tmp_path):
     """A model_type llmq has model code for (gemma3_text) is still quantized model-free, verified through
     transformers, and the run names the per-model target."""
-    from models.pipeline.cli import main_model_free
-
     folder = _checkpoint(tmp_path, "gemma3_text", fields=dict(COMMON, head_dim=16, sliding_window=64))
-    code, out, err = run_main(None, [f"--checkpoint={folder}", f"--out={tmp_path / 'out'}"], tmp_path,
-                              entry=main_model_free, timeout=1200)  # one thread in the child, a loaded machine
+    # the binary in a fresh interpreter: a forked child that runs models after the parent's torch threads hang
+    binary = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "quantize.py")
+    proc = subprocess.run([sys.executable, binary, f"--checkpoint={folder}", f"--out={tmp_path / 'out'}"],
+                          capture_output=True, text=True, timeout=1800,
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    code, out, err = proc.returncode, proc.stdout, proc.stderr
     assert code == 0, (code, err[-3000:])
     assert "//models/gemma3:quantize_and_save" in out and "through transformers' Gemma3ForCausalLM" in out
     assert out.index("estimate (--backend bundle)") < out.index("verify:")  # the size before the work
