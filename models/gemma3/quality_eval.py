@@ -106,13 +106,16 @@ class Evaluator:
     """Reference log-probabilities per window, compared with each variant's (one model, weights swapped)."""
 
     def __init__(self, build: Callable[[Dict[str, torch.Tensor]], torch.nn.Module], reference: Dict[str, torch.Tensor],
-                 windows: List[torch.Tensor]):
+                 windows: List[torch.Tensor], score_from: int = 0):
+        """Each window's tokens 1.. are predicted; only the predictions at positions >= score_from count
+        (llama-perplexity scores the second half of each window: score_from = window // 2)."""
         # the model gets its own copy: loading assigns tensors (no copy), and swapping a variant in
         # writes into the model's parameters, which must never be the reference's tensors
         self.model = build({n: t.clone() for n, t in reference.items()}).eval()
         self.params = dict(self.model.named_parameters())
         self.reference = {n: reference[n] for n in reference if n in self.params}
         self.windows = windows
+        self.score_from = score_from
 
     def _set(self, weights: Dict[str, torch.Tensor]) -> None:
         with torch.no_grad():
@@ -128,14 +131,14 @@ class Evaluator:
         for ids in self.windows:
             self._set(self.reference)
             # float32 log-probabilities: each KL term is off by ~1e-7 * p, far below the differences measured
-            ref = F.log_softmax(self.model(ids[None, :-1])[0].float(), dim=-1)
-            target = ids[1:]
+            ref = F.log_softmax(self.model(ids[None, :-1])[0].float(), dim=-1)[self.score_from:]
+            target = ids[1:][self.score_from:]
             ref_top = ref.argmax(-1)
             stats["reference"]["nll"] -= float(ref.gather(-1, target[:, None]).sum())
             stats["reference"]["top1"] += len(target)
             for name, weights in variants.items():
                 self._set(weights)
-                got = F.log_softmax(self.model(ids[None, :-1])[0].float(), dim=-1)
+                got = F.log_softmax(self.model(ids[None, :-1])[0].float(), dim=-1)[self.score_from:]
                 stats[name]["kl"] += float((ref.exp() * (ref - got)).sum(-1).double().sum())
                 stats[name]["nll"] -= float(got.gather(-1, target[:, None]).sum())
                 stats[name]["top1"] += float((got.argmax(-1) == ref_top).sum())
@@ -256,6 +259,26 @@ def compressed_tensors_variant(folder: str, names: List[str]) -> Tuple[Dict[str,
     return out, stored / count
 
 
+def kld_windows(path: str, bos: int) -> Tuple[List[torch.Tensor], int]:
+    """The windows llama-perplexity scored when it wrote `path` (its --kl-divergence-base file: "_logits_",
+    int32 n_ctx, n_vocab, n_chunk, then n_chunk * n_ctx int32 token ids): window i is tokens
+    [i * n_ctx, (i + 1) * n_ctx) with its first token replaced by BOS, as llama-perplexity runs it;
+    (windows, n_ctx)."""
+    import numpy as np
+
+    with open(path, "rb") as f:
+        if f.read(8) != b"_logits_":
+            raise SystemExit(f"error: {path}: not a llama-perplexity --kl-divergence-base file (no _logits_ magic)")
+        n_ctx, _n_vocab, n_chunk = (int(v) for v in np.frombuffer(f.read(12), dtype="<i4"))
+        ids = torch.from_numpy(np.frombuffer(f.read(4 * n_ctx * n_chunk), dtype="<i4").astype(np.int64))
+    if ids.numel() != n_ctx * n_chunk:
+        raise SystemExit(f"error: {path}: truncated token list ({ids.numel()} of {n_ctx * n_chunk} ids)")
+    windows = [ids[i * n_ctx:(i + 1) * n_ctx].clone() for i in range(n_chunk)]
+    for w in windows:
+        w[0] = bos
+    return windows, n_ctx
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", required=True)
@@ -266,7 +289,6 @@ def main(argv=None) -> int:
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--write_reference_gguf", help="Write the off-grid reference as an F32 GGUF here and exit.")
-    parser.add_argument("--llama_cpp", action="append", default=[], help="NAME=FILE.gguf from llama-quantize.")
     parser.add_argument("--hessians", help="File of the gptq variants' H per linear: read when it exists (from "
                         "an earlier run on the same checkpoint, --seed, calibration text and tokens), else written.")
     parser.add_argument("--dequantized", action="append", default=[],
@@ -274,6 +296,13 @@ def main(argv=None) -> int:
                              "with metadata 'bits' and 'count': the bits as written and the weights they hold).")
     parser.add_argument("--compressed_tensors", action="append", default=[],
                         help="NAME=DIR: an integer pack-quantized HF folder of the reference (e.g. llm-compressor's).")
+    parser.add_argument("--llama_cpp", action="append", default=[],
+                        help="NAME=FILE.gguf: a GGUF of the reference's quantized projections (llama-quantize's, or "
+                             "llmq's --backend=gguf), read with gguf-py's dequantizer.")
+    parser.add_argument("--windows_from_kld",
+                        help="Evaluate on the windows of this llama-perplexity --kl-divergence-base file (its tokens, BOS "
+                             "first, the second half of each window scored, as llama-perplexity does) instead of "
+                             "--tokens of --held_text; mean KL then compares with llama-perplexity --kl-divergence.")
     parser.add_argument("--variants", default="rtn,search,hqq,search-imatrix,imatrix,imatrix-g64,budget,budget-rel,int8",
                         help="Comma-separated llmq variants to run (also gptq, gptq-noact, gptq-minmax, gptq-g32, gptq-budget).")
     parser.add_argument("--backend", default="mlx",
@@ -318,6 +347,13 @@ def main(argv=None) -> int:
 
     held = token_ids(args.held_text, args.tokens)
     windows = [held[i:i + args.window + 1] for i in range(0, len(held) - 1, args.window) if len(held[i:i + args.window + 1]) > 1]
+    score_from = 0
+    if args.windows_from_kld:
+        import gguf
+
+        bos = int(gguf.GGUFReader(path).fields["tokenizer.ggml.bos_token_id"].contents())
+        windows, n_ctx = kld_windows(_user_path(args.windows_from_kld), bos)
+        score_from = n_ctx // 2
 
     # The two facts the off-grid reference rests on.
     probe = held[: args.window + 1][None, :-1]
@@ -465,7 +501,7 @@ def main(argv=None) -> int:
         print(f"{name}: {bpw[name]:.3f} bpw as stored in {folder}", flush=True)
 
     t0 = time.time()
-    results = Evaluator(build, reference, windows).run(variants)
+    results = Evaluator(build, reference, windows, score_from=score_from).run(variants)
     print(f"evaluated {len(variants)} variants on {results['reference']['tokens']} tokens in {time.time() - t0:.0f} s\n")
     print("| variant | bpw | mean KL (nats) | perplexity | top-1 agreement |")
     print("|---|---|---|---|---|")

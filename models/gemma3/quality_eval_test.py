@@ -67,3 +67,73 @@ def test_evaluating_variants_leaves_the_reference_as_it_was():
     assert both["reference"]["ppl"] == alone["reference"]["ppl"]
     assert both["noisy"]["mean_kl"] > 1e-4
     assert abs(both["same"]["mean_kl"]) < 1e-9 and both["same"]["top1"] == 1.0
+
+
+def test_windows_from_a_kld_file_are_llama_perplexitys_and_only_their_second_half_counts(tmp_path):
+    import numpy as np
+    import pytest
+
+    from models.gemma3.quality_eval import kld_windows
+
+    n_ctx, n_chunk = 8, 3
+    ids = np.random.default_rng(0).integers(3, 96, n_ctx * n_chunk).astype("<i4")
+    path = tmp_path / "base.kld"
+    path.write_bytes(b"_logits_" + np.array([n_ctx, 96, n_chunk], "<i4").tobytes() + ids.tobytes() + b"\0" * 64)
+    windows, ctx = kld_windows(str(path), bos=2)
+    assert ctx == n_ctx and len(windows) == n_chunk
+    for i, w in enumerate(windows):
+        assert w[0] == 2 and w[1:].tolist() == ids[i * n_ctx + 1:(i + 1) * n_ctx].tolist()
+    (tmp_path / "bad.kld").write_bytes(b"_notlog_" + b"\0" * 12)
+    with pytest.raises(SystemExit, match="_logits_"):
+        kld_windows(str(tmp_path / "bad.kld"), bos=2)
+
+    # scored from position n_ctx // 2: the KL is the mean over those positions only, computed directly here
+    config, tensors = _tiny()
+    names = projection_names(config)
+    noisy = {n: tensors[n] + 0.05 * torch.randn_like(tensors[n]) for n in names}
+
+    def build(weights):
+        return build_quantized_model(ARCHITECTURE.build_model(config, device="meta"), dict(weights))
+
+    got = Evaluator(build, tensors, windows, score_from=n_ctx // 2).run({"noisy": noisy})["noisy"]
+    kl, count = 0.0, 0
+    with torch.no_grad():
+        for w in windows:
+            a = torch.log_softmax(build(tensors)(w[None, :-1])[0].double(), -1)[n_ctx // 2:]
+            b = torch.log_softmax(build({**tensors, **noisy})(w[None, :-1])[0].double(), -1)[n_ctx // 2:]
+            kl += float((a.exp() * (a - b)).sum())
+            count += len(a)
+    assert got["tokens"] == count == n_chunk * (n_ctx - 1 - n_ctx // 2)
+    assert abs(got["mean_kl"] - kl / count) <= 1e-4 * kl / count
+
+
+def test_gguf_table_reads_bits_from_the_file_and_llama_perplexitys_numbers(tmp_path):
+    import gguf
+    import numpy as np
+
+    from models.gemma3.quality_eval_gguf import file_bits, parse_kld_log
+
+    w = np.random.default_rng(1).standard_normal((4, 64)).astype(np.float32)
+    writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "gemma3")
+    writer.add_tensor("blk.0.attn_q.weight", gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_0),
+                      raw_dtype=gguf.GGMLQuantizationType.Q4_0)
+    writer.add_tensor("blk.0.ffn_down.weight", gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0),
+                      raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    writer.add_tensor("token_embd.weight", w)  # not a projection: not counted
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    bits = file_bits(str(tmp_path / "m.gguf"))
+    # Q4_0: 18 bytes per 32 weights (4.5 bits), Q8_0: 34 bytes per 32 (8.5 bits), equal weight counts
+    assert bits["bpw"] == (4.5 + 8.5) / 2 and bits["types"] == {"Q4_0": 1, "Q8_0": 1}
+    assert bits["file_bytes"] == (tmp_path / "m.gguf").stat().st_size
+
+    log = tmp_path / "kld.log"
+    log.write_text("Mean PPL(Q)                   :  18.973258 ±   1.264008\n"
+                   "Mean PPL(base)                :  13.931814 ±   0.881733\n"
+                   "Mean    KLD:   0.300689 ±   0.006243\nMaximum KLD:   2.449433\n"
+                   "Same top p: 71.716 ± 0.997 %\n")
+    r = parse_kld_log(str(log))
+    assert (r["mean_kl"], r["mean_kl_err"], r["ppl"], r["ppl_base"]) == (0.300689, 0.006243, 18.973258, 13.931814)
+    assert abs(r["top1"] - 0.71716) < 1e-12
