@@ -303,6 +303,9 @@ def main(argv=None) -> int:
                         help="Evaluate on the windows of this llama-perplexity --kl-divergence-base file (its tokens, BOS "
                              "first, the second half of each window scored, as llama-perplexity does) instead of "
                              "--tokens of --held_text; mean KL then compares with llama-perplexity --kl-divergence.")
+    parser.add_argument("--kld_windows", type=int, default=0,
+                        help="With --windows_from_kld: only its first N windows (0: all); llama-perplexity prints the "
+                             "running mean KL after each window to compare with.")
     parser.add_argument("--variants", default="rtn,search,hqq,search-imatrix,imatrix,imatrix-g64,budget,budget-rel,int8",
                         help="Comma-separated llmq variants to run (also gptq, gptq-noact, gptq-minmax, gptq-g32, gptq-budget).")
     parser.add_argument("--backend", default="mlx",
@@ -353,6 +356,7 @@ def main(argv=None) -> int:
 
         bos = int(gguf.GGUFReader(path).fields["tokenizer.ggml.bos_token_id"].contents())
         windows, n_ctx = kld_windows(_user_path(args.windows_from_kld), bos)
+        windows = windows[: args.kld_windows or len(windows)]
         score_from = n_ctx // 2
 
     # The two facts the off-grid reference rests on.

@@ -120,6 +120,15 @@ def parse_kld_log(log: str) -> Dict[str, float]:
     return out
 
 
+def running_kl(log: str, windows: int) -> float:
+    """llama-perplexity's running mean KL after its first `windows` windows (its per-chunk table)."""
+    for line in open(log):
+        cells = line.split()
+        if len(cells) >= 11 and cells[0] == str(windows) and cells[2] == "±":
+            return float(cells[7])
+    raise RuntimeError(f"{log}: no row for window {windows} in llama-perplexity's per-chunk table")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--llama_cpp_bin", required=True, help="Folder with llama-perplexity, llama-quantize, llama-imatrix.")
@@ -134,6 +143,9 @@ def main(argv=None) -> int:
     parser.add_argument("--rows", default=",".join(list(LLAMA_CPP_ROWS) + list(LLMQ_ROWS)),
                         help="Comma-separated rows to make and measure, in this order (default: all).")
     parser.add_argument("--llmq_eval", default="", help="Comma-separated rows also measured by llmq's own evaluator.")
+    parser.add_argument("--llmq_eval_windows", type=int, default=0,
+                        help="llmq's evaluator on the first N windows only (0: all --chunks); compared with "
+                             "llama-perplexity's running mean KL after the same N windows.")
     args = parser.parse_args(argv)
 
     def user(p: str) -> str:
@@ -227,7 +239,8 @@ def main(argv=None) -> int:
         print("6. llmq's own evaluator on the same windows", flush=True)
         log = os.path.join(work, "llmq-eval.log")
         _run(py + [os.path.join(HERE, "quality_eval.py"), f"--checkpoint={checkpoint}", f"--held_text={held}",
-                   f"--calibration_text={calib}", f"--windows_from_kld={kld}", "--variants="]
+                   f"--calibration_text={calib}", f"--windows_from_kld={kld}", "--variants=",
+                   f"--kld_windows={args.llmq_eval_windows}"]
              + [f"--llama_cpp={r}={files[r]}" for r in wanted], log)
         for line in open(log):
             cells = [c.strip() for c in line.strip().strip("|").split("|")]
@@ -248,11 +261,13 @@ def main(argv=None) -> int:
     for name, why in failed.items():
         print(f"| {name} | - | - | not measured: {why} | - | - | - |")
     if llmq_kl:
-        print("\n| file | llama-perplexity mean KL | llmq evaluator mean KL | ratio |")
+        n = args.llmq_eval_windows or args.chunks
+        print(f"\nThe same files, the first {n} windows: llama-perplexity's running mean KL and llmq's evaluator's\n")
+        print("| file | llama-perplexity mean KL | llmq evaluator mean KL | ratio |")
         print("|---|---|---|---|")
         for name, kl in llmq_kl.items():
-            lc = results[name]["mean_kl"]
-            print(f"| {name} | {lc:.4f} ± {results[name]['mean_kl_err']:.4f} | {kl:.4f} | {kl / lc:.3f} |")
+            lc = running_kl(os.path.join(work, _slug(name) + "-kld.log"), n)
+            print(f"| {name} | {lc:.4f} | {kl:.4f} | {kl / lc:.3f} |")
     return 0
 
 

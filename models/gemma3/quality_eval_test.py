@@ -111,7 +111,7 @@ def test_gguf_table_reads_bits_from_the_file_and_llama_perplexitys_numbers(tmp_p
     import gguf
     import numpy as np
 
-    from models.gemma3.quality_eval_gguf import file_bits, parse_kld_log
+    from models.gemma3.quality_eval_gguf import file_bits, parse_kld_log, running_kl
 
     w = np.random.default_rng(1).standard_normal((4, 64)).astype(np.float32)
     writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "gemma3")
@@ -130,10 +130,15 @@ def test_gguf_table_reads_bits_from_the_file_and_llama_perplexitys_numbers(tmp_p
     assert bits["file_bytes"] == (tmp_path / "m.gguf").stat().st_size
 
     log = tmp_path / "kld.log"
-    log.write_text("Mean PPL(Q)                   :  18.973258 ±   1.264008\n"
+    log.write_text("   1      41.6432 ±    8.4236       0.28757 ±    0.05116       0.30641 ±    0.01313    10.903 ±  0.870 %"
+                   "    72.157 ±  2.812 %\n"
+                   "   2      31.2725 ±    4.1976       0.33814 ±    0.03840       0.31738 ±    0.01086    12.568 ±  0.760 %"
+                   "    71.176 ±  2.008 %\n"
+                   "Mean PPL(Q)                   :  18.973258 ±   1.264008\n"
                    "Mean PPL(base)                :  13.931814 ±   0.881733\n"
                    "Mean    KLD:   0.300689 ±   0.006243\nMaximum KLD:   2.449433\n"
                    "Same top p: 71.716 ± 0.997 %\n")
     r = parse_kld_log(str(log))
     assert (r["mean_kl"], r["mean_kl_err"], r["ppl"], r["ppl_base"]) == (0.300689, 0.006243, 18.973258, 13.931814)
     assert abs(r["top1"] - 0.71716) < 1e-12
+    assert running_kl(str(log), 1) == 0.30641 and running_kl(str(log), 2) == 0.31738
