@@ -63,9 +63,9 @@ LLMQ_ROWS: Dict[str, Tuple[dict, List[str]]] = {
     "llmq search + imatrix (Q4_0)": (_all({**Q4, "symmetric": True, "method": "search"}), ["--calibration_text"]),
     "llmq hqq + imatrix (Q4_1)": (_all({**Q4, "symmetric": False, "method": "hqq"}), ["--calibration_text"]),
     "llmq budget @ Q4_0 size": (_all({**Q4, "symmetric": True, "method": "search"}),
-                                ["--calibration_text", "--budget_bits_per_weight={q4_0}"]),
+                                ["--calibration_text", "--budget_bits_per_weight={q4_0}", "--budget_method=search"]),
     "llmq budget @ Q4_K_M size": (_all({**Q4, "symmetric": True, "method": "search"}),
-                                  ["--calibration_text", "--budget_bits_per_weight={q4_k_m}"]),
+                                  ["--calibration_text", "--budget_bits_per_weight={q4_k_m}", "--budget_method=search"]),
 }
 
 
