@@ -190,9 +190,9 @@ def test_gptq_rules_need_a_calibration_text_and_round_against_each_linears_input
     holds what quantize_weight(..., hessian=) gives for the H collect_calibration measures."""
     import json
 
-    from llmq.quant import QuantConfig, quantize_weight
     import torch
 
+    from llmq.quant import QuantConfig, quantize_weight
     from models.pipeline import calibration as calibration_module
 
     recipe = tmp_path / "gptq.json"
