@@ -115,9 +115,10 @@ DEFAULT_MIN_COSINE = 0.9
 
 
 def verify(arch, config, model_input, backend, job, path: str, reference_stream, *, seed: int,
-           min_cosine: Optional[float] = None, use_moe_op: bool = False, recipe: Any = None
-           ) -> Tuple[Rows, Dict[str, Any], Optional[str]]:
-    """(summary rows, numbers, failure or None): models/pipeline/verify.py's contract."""
+           min_cosine: Optional[float] = None, use_moe_op: bool = False, recipe: Any = None,
+           requantized_input: bool = False) -> Tuple[Rows, Dict[str, Any], Optional[str]]:
+    """(summary rows, numbers, failure or None): models/pipeline/verify.py's contract
+    (requantized_input does not apply: a model-free run reads float checkpoints)."""
     min_cosine = DEFAULT_MIN_COSINE if min_cosine is None else min_cosine
     from models.pipeline.transformers_model import NoPlace
 

@@ -299,7 +299,8 @@ def run(arch: Architecture, *, checkpoint: Optional[str], recipe: Optional[str],
         if verify:
             check_rows, check, failure = (arch.verify or verification.verify)(
                 arch, config, model_input, writer, job, written, lambda: model_stream(), recipe=quant_recipe,
-                seed=seed, min_cosine=verify_min_cosine, use_moe_op=use_moe_op)
+                seed=seed, min_cosine=verify_min_cosine, use_moe_op=use_moe_op,
+                requantized_input=model_input.from_gguf and (requantize_gguf or writer.takes_float))
             rows += check_rows
             result.update(check)
         elif use_moe_op:

@@ -41,7 +41,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from llmq.quant import QuantRecipe, quantize_weight
+from llmq.quant import QuantRecipe, dequantize, quantize_weight
 from llmq.quant.formats import get_format
 from llmq.quant.row_blocks import RowBlocks
 from models.common.generation import generate
@@ -132,9 +132,11 @@ class RoundToNearest:
     """The reference's tensors with every matrix the recipe quantizes rounded to nearest ("minmax",
     the format's plain method) in its chosen format; the embedding and the head by row blocks."""
 
-    def __init__(self, tensors: layerwise.LayerTensors, recipe: QuantRecipe, num_layers: int):
+    def __init__(self, tensors: layerwise.LayerTensors, recipe: QuantRecipe, num_layers: int, *,
+                 requantize: bool = False):
         self.tensors = tensors
         self.recipe = recipe.bind(num_layers)
+        self.requantize = requantize  # a GGUF input's blocks are rounded again, as the run did
 
     def group(self, group: layerwise.Group) -> Dict[str, Any]:
         return {name: self._round(name, value) for name, value in self.tensors.group(group).items()}
@@ -142,6 +144,8 @@ class RoundToNearest:
     def _round(self, name: str, value: Any) -> Any:
         module = quantizable_module(name)
         config = self.recipe.get_config(module) if module is not None else None
+        if config is not None and self.requantize and not isinstance(value, (torch.Tensor, RowBlocks)):
+            value = dequantize(value)
         if config is None or not (isinstance(value, RowBlocks) or
                                   (isinstance(value, torch.Tensor) and value.is_floating_point())):
             return value  # kept as is by the recipe, or already quantized in the input (a GGUF's blocks)
@@ -226,14 +230,17 @@ def _db(signal: float, noise: float) -> float:
 
 def verify(arch: Architecture, config, model_input, backend, job, path: str, reference_stream: Callable, *,
            recipe: QuantRecipe, seed: int, min_cosine: Optional[float] = None,
-           use_moe_op: bool = False) -> Tuple[List[Tuple[str, str]], Dict, Optional[str]]:
-    """(summary rows, numbers, failure or None)."""
+           use_moe_op: bool = False, requantized_input: bool = False) -> Tuple[List[Tuple[str, str]], Dict, Optional[str]]:
+    """(summary rows, numbers, failure or None). requantized_input: the run quantized a GGUF input's blocks
+    again (--requantize_gguf, or a backend that quantizes float tensors itself), so round-to-nearest
+    rounds their dequantized values too instead of keeping them."""
     start = time.perf_counter()
     num_layers = arch.num_layers(config)
     reference = layerwise.from_input(arch, config, model_input)
     reference.tensors.keep_last = True
     rounded = layerwise.LayerwiseModel(arch.build_model(config, device="meta"),
-                                       RoundToNearest(reference.tensors, recipe, num_layers))  # type: ignore[arg-type]
+                                       RoundToNearest(reference.tensors, recipe, num_layers,
+                                                      requantize=requantized_input))  # type: ignore[arg-type]
     quantized = _quantized_side(arch, config, backend, job, path)
     if model_input.from_gguf:
         print("verification reference: the GGUF model, its quantized weights dequantized")
