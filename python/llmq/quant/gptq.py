@@ -53,38 +53,10 @@ from llmq.quant.codecs import (
     round_to_dtype,
     smallest_scale,
 )
+from llmq.quant.gptq_options import FITS, OPTIONS, check_options  # noqa: F401 (re-exported)
 
-# Option name -> (default, type check, what it takes).
-OPTIONS: Dict[str, Any] = {
-    "damp": 0.01,
-    "block_size": 128,
-    "act_order": True,
-    "fit": "search",
-}
-FITS = ("search", "minmax")
 # Dampening is raised tenfold at most this many times when H is not positive definite.
 DAMP_RETRIES = 3
-
-
-def check_options(options: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
-    """The options of a gptq rule completed with the defaults; ValueError (one line) naming a
-    wrong one."""
-    given = dict(options or {})
-    unknown = sorted(set(given) - set(OPTIONS))
-    if unknown:
-        raise ValueError(f"QuantConfig.options: unknown option(s) {unknown} for method 'gptq'; it takes {sorted(OPTIONS)}")
-    out = {**OPTIONS, **given}
-    damp, block, act, fit = out["damp"], out["block_size"], out["act_order"], out["fit"]
-    if isinstance(damp, bool) or not isinstance(damp, (int, float)) or not 0 <= damp < 1e6 or damp != damp:
-        raise ValueError(f"QuantConfig.options: 'damp' must be a number >= 0 (a fraction of the mean of diag(H)), got {damp!r}")
-    if isinstance(block, bool) or not isinstance(block, int) or block <= 0:
-        raise ValueError(f"QuantConfig.options: 'block_size' must be a positive int, got {block!r}")
-    if not isinstance(act, bool):
-        raise ValueError(f"QuantConfig.options: 'act_order' must be true or false, got {act!r}")
-    if fit not in FITS:
-        raise ValueError(f"QuantConfig.options: 'fit' must be one of {FITS}, got {fit!r}")
-    out["damp"] = float(damp)
-    return out
 
 
 def inverse_cholesky(hessian: torch.Tensor, damp: float, name: str = "<tensor>"):

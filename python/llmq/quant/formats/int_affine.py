@@ -569,7 +569,7 @@ class IntAffineFormat(Format):
         if config.method == "hqq" and config.symmetric:
             raise ValueError("QuantConfig.method='hqq' optimises the zero point: it needs symmetric=False (asymmetric)")
         if config.method == "gptq":
-            from llmq.quant.gptq import check_options
+            from llmq.quant.gptq_options import check_options
 
             check_options(dict(config.options or ()))
         gs = config.group_size
