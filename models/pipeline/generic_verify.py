@@ -17,8 +17,9 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from models.pipeline.agreement import verdict, verification_prompt
+from models.pipeline.agreement import verification_prompt
 from models.pipeline.usage_error import UsageError
+from models.pipeline.verify import verdict
 
 Rows = List[Tuple[str, str]]
 NEW_TOKENS = 8
