@@ -1,18 +1,18 @@
 """Calibration, budget and verification run in memory bounded by a layer, not the model.
 
-One Gemma 3 shaped model (hidden 1024, MLP 4096: 33.6 MB of bf16 tensors per decoder layer) with 2 and
-with 8 decoder layers, run as `quantize_and_save --calibration_text=... --verify` in a fresh child
+One Gemma 3 shaped model (hidden 1024, MLP 4096: 33.6 MB of bf16 tensors per decoder layer) with 1, 2
+and 8 decoder layers, run as `quantize_and_save --calibration_text=... --verify` in a fresh child
 process each (the budget's candidates stream tensor by tensor already and cost minutes here; the
-real-shape benchmark runs the full command); a child that imports the same modules and reads the same
-tokenizer gives the baseline. Peak RSS is the child's own (VmHWM of /proc/self/status: the kernel's
-high-water mark of its address space, from outside Python's allocator; not ru_maxrss, which keeps the
-forking test process's peak across exec). Asserted:
+real-shape benchmark runs the full command). The 1-layer run is the baseline: it holds a run's fixed
+costs (imports, torch's first-use allocations, the tokenizer; about 0.45 GB here, more than a layer of
+this model) and one layer's working set. Peak RSS is the child's own (VmHWM of /proc/self/status: the
+kernel's high-water mark of its address space, from outside Python's allocator; not ru_maxrss, which
+keeps the forking test process's peak across exec). Asserted, for 2 and 8 layers:
 
-* peak above the baseline is at most PEAK_LAYERS times the largest decoder layer's bytes
-  (one layer as read, float copies of it while running and quantizing, the round-to-nearest copy of
-  verification, the writer's queue: a handful of layers, never the model);
-* the 8-layer run's peak exceeds the 2-layer run's by less than 2 layers' bytes, although its
-  checkpoint holds 6 more layers (a whole-model run would add all 6).
+* peak above the 1-layer baseline is under PEAK_LAYERS times the largest decoder layer's bytes,
+  although the 8-layer checkpoint holds 7 more layers (a whole-model run would add all 7: calibration,
+  verification's reference and round-to-nearest copies each hold the model);
+* the 8-layer checkpoint really is 6 layers larger than the 2-layer one.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from models.gemma3.architecture import ARCHITECTURE as GEMMA3
 from models.pipeline.default_model import write_default_checkpoint, write_tiny_tokenizer
 
 HIDDEN, MLP, VOCAB = 1024, 4096, 8192
-PEAK_LAYERS = 8
+PEAK_LAYERS = 3
 
 _CHILD = r"""
 import os, sys
@@ -85,19 +85,19 @@ def test_peak_memory_is_flat_in_the_layer_count(tmp_path):
     text = tmp_path / "calibration.txt"
     text.write_text(" ".join(f"word{i % 97} value{i % 13}" for i in range(3000)))
     peaks, layer_bytes, sizes = {}, {}, {}
-    for layers in (2, 8):
+    for layers in (1, 2, 8):
         ckpt = str(tmp_path / f"ckpt{layers}")
         write_default_checkpoint(GEMMA3, ckpt, hf_config=_config(layers), max_shard_bytes=64 << 20)
         write_tiny_tokenizer(ckpt, VOCAB)
         layer_bytes[layers] = _layer_bytes(ckpt)
         sizes[layers] = sum(os.path.getsize(os.path.join(ckpt, f)) for f in os.listdir(ckpt)
                             if f.endswith(".safetensors"))
-        baseline = _peak("baseline", ckpt, "", str(text))
-        peaks[layers] = _peak("run", ckpt, str(tmp_path / f"out{layers}"), str(text)) - baseline
+        peaks[layers] = _peak("run", ckpt, str(tmp_path / f"out{layers}"), str(text))
     largest = max(layer_bytes.values())
-    report = json.dumps({"peak_above_baseline": peaks, "largest_layer": largest, "checkpoint_bytes": sizes})
+    above = {layers: peaks[layers] - peaks[1] for layers in (2, 8)}
+    report = json.dumps({"peak": peaks, "peak_above_1_layer": above, "largest_layer": largest,
+                         "checkpoint_bytes": sizes})
     print(report)
-    for peak in peaks.values():
+    for peak in above.values():
         assert peak < PEAK_LAYERS * largest, report
-    assert peaks[8] - peaks[2] < 2 * largest, report
-    assert sizes[8] - sizes[2] > 5 * largest  # the 8-layer checkpoint really is 6 layers larger
+    assert sizes[8] - sizes[2] > 5 * largest, report  # the 8-layer checkpoint really is 6 layers larger
