@@ -165,8 +165,8 @@ def test_unrepresentable_weights_are_rejected_by_name():
         pack_mlx_affine(random_canonical((4, 128), 4, 64), group_size=128)
     with pytest.raises(ValueError, match="must be one of"):
         pack_mlx_affine(random_canonical((4, 128), 4, 64), group_size=16)
-    with pytest.raises(NotImplementedError, match="mxfp4"):
-        pack_mlx_fp(None, "mxfp4")
+    with pytest.raises(ValueError, match="mxfp4/mxfp8"):
+        pack_mlx_fp(random_canonical((4, 128), 4, 64), name="x")
 
 
 def test_stack_experts_rejects_mismatched_experts():

@@ -16,7 +16,7 @@ from llmq.checkpoint import CheckpointError  # noqa: E402
 from llmq.quant.formats import dequantize_canonical  # noqa: E402
 from llmq_mlx import pack_mlx_affine, write_mlx_lm_folder  # noqa: E402
 from llmq_mlx.mlx_lm_writer import quantization_section  # noqa: E402
-from mlx_testutil import FP32_UNIT_ROUNDOFF, random_canonical  # noqa: E402
+from mlx_testutil import hf_logits, logits_tolerance, random_canonical  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -44,24 +44,6 @@ def write_tokenizer(folder):
             f,
         )
     return [folder / "tokenizer.json", folder / "tokenizer_config.json"]
-
-
-def logits_tolerance(ref64, reduction_lengths):
-    """Both sides evaluate the same function in fp32 from identical weights (up to the
-    half-ulp MLX's two-rounding dequantize adds, one more rounding per weight). Each
-    reduction of length n carries at most gamma_n relative error of its |terms|; summed
-    along the longest chain of dependent reductions this bounds the error relative to
-    the logits' scale. A layout or grouping bug moves logits by O(max|logit|)."""
-    n = sum(reduction_lengths) + 2 * len(reduction_lengths)
-    return 2 * n * FP32_UNIT_ROUNDOFF * float(np.abs(ref64).max())
-
-
-def hf_logits(model, ids):
-    with torch.no_grad():
-        out32 = model(torch.tensor([ids])).logits[0].numpy()
-        out64 = model.double()(torch.tensor([ids])).logits[0].numpy()
-    model.float()
-    return out32, out64
 
 
 def test_quantization_section_overrides_and_kept_layers():

@@ -53,3 +53,21 @@ def abs_weight_f64(w: GroupQuantizedWeight) -> np.ndarray:
     q = unpack_bits(w.qdata, w.bits, k).to(torch.float64).reshape(*w.shape[:-1], k // w.group_size, w.group_size)
     out = (q * w.scale.double().unsqueeze(-1)).abs() + w.bias.double().abs().unsqueeze(-1)
     return out.reshape(w.shape).numpy()
+
+
+def logits_tolerance(ref64, reduction_lengths):
+    """Both sides evaluate the same function in fp32 from identical weights (up to the
+    half-ulp MLX's two-rounding dequantize adds, one more rounding per weight). Each
+    reduction of length n carries at most gamma_n relative error of its |terms|; summed
+    along the longest chain of dependent reductions this bounds the error relative to
+    the logits' scale. A layout or grouping bug moves logits by O(max|logit|)."""
+    n = sum(reduction_lengths) + 2 * len(reduction_lengths)
+    return 2 * n * FP32_UNIT_ROUNDOFF * float(np.abs(ref64).max())
+
+
+def hf_logits(model, ids):
+    with torch.no_grad():
+        out32 = model(torch.tensor([ids])).logits[0].numpy()
+        out64 = model.double()(torch.tensor([ids])).logits[0].numpy()
+    model.float()
+    return out32, out64

@@ -36,6 +36,11 @@ from .regroup import (  # regroup imports nothing from here: no import cycle
 
 MLX_SCALE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FP_MODES = ("mxfp4", "mxfp8", "nvfp4")
+# MLX's FP modes: (bits, group_size), each mode has exactly one.
+FP_MODE_PARAMS = {"mxfp4": (4, 32), "mxfp8": (8, 32), "nvfp4": (4, 16)}
+# Why llmq's nvfp4 is not written: the one line a recipe asking for it gets.
+NVFP4_REFUSAL = ("MLX's nvfp4 QuantizedLinear holds e4m3 scales per 16 but no per-tensor global scale, and llmq's "
+                 "nvfp4 value is code * (e4m3 scale * global scale): not representable exactly; use mxfp4")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,25 +53,35 @@ class MLXQuantizedWeight:
     """
 
     weight: torch.Tensor  # uint32 [..., N, K*bits/32]
-    scales: torch.Tensor  # [..., N, K/group_size], float32 / float16 / bfloat16
-    biases: torch.Tensor  # same shape and dtype as scales
+    scales: torch.Tensor  # [..., N, K/group_size], float32 / float16 / bfloat16; uint8 (E8M0) in the FP modes
+    biases: Optional[torch.Tensor]  # same shape and dtype as scales; None in the FP modes
     bits: int
     group_size: int
     shape: Tuple[int, ...]  # logical [..., N, K]
     mode: str = "affine"
 
     def __post_init__(self):
-        _check_mlx_params(self.bits, self.group_size, self.shape[-1], what="MLXQuantizedWeight")
+        if self.mode == "affine":
+            _check_mlx_params(self.bits, self.group_size, self.shape[-1], what="MLXQuantizedWeight")
+        elif (self.bits, self.group_size) != FP_MODE_PARAMS.get(self.mode):
+            raise ValueError(f"MLXQuantizedWeight: mode {self.mode!r} takes (bits, group_size) "
+                             f"{FP_MODE_PARAMS.get(self.mode)}, got {(self.bits, self.group_size)}")
         k = self.shape[-1]
         lead = tuple(self.shape[:-1])
         want_w = lead + (k * self.bits // 32,)
         want_s = lead + (k // self.group_size,)
         if self.weight.dtype != torch.uint32 or tuple(self.weight.shape) != want_w:
             raise ValueError(f"weight must be uint32 {list(want_w)}, got {self.weight.dtype} {list(self.weight.shape)}")
+        if self.mode != "affine":
+            if self.scales.dtype != torch.uint8 or tuple(self.scales.shape) != want_s or self.biases is not None:
+                raise ValueError(f"mode {self.mode!r}: scales must be uint8 {list(want_s)} and no biases, got "
+                                 f"{self.scales.dtype} {list(self.scales.shape)}")
+            return
         for name in ("scales", "biases"):
             t = getattr(self, name)
-            if t.dtype not in MLX_SCALE_DTYPES or tuple(t.shape) != want_s:
-                raise ValueError(f"{name} must be a float tensor {list(want_s)}, got {t.dtype} {list(t.shape)}")
+            if t is None or t.dtype not in MLX_SCALE_DTYPES or tuple(t.shape) != want_s:
+                raise ValueError(f"{name} must be a float tensor {list(want_s)}, got "
+                                 f"{None if t is None else (t.dtype, list(t.shape))}")
         if self.scales.dtype != self.biases.dtype:
             raise ValueError("scales and biases must share a dtype")
 
@@ -77,19 +92,18 @@ class MLXQuantizedWeight:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.weight, self.scales, self.biases))
+        return sum(t.numel() * t.element_size() for t in (self.weight, self.scales, self.biases) if t is not None)
 
     def named_tensors(self, module_path: str) -> Dict[str, torch.Tensor]:
         """The safetensors entries mlx-lm expects for the module at `module_path`."""
-        return {
-            f"{module_path}.weight": self.weight,
-            f"{module_path}.scales": self.scales,
-            f"{module_path}.biases": self.biases,
-        }
+        out = {f"{module_path}.weight": self.weight, f"{module_path}.scales": self.scales}
+        if self.biases is not None:
+            out[f"{module_path}.biases"] = self.biases
+        return out
 
     def to_mx(self):
-        """(weight, scales, biases) as mlx.core arrays (imports mlx lazily)."""
-        return tuple(torch_to_mx(t) for t in (self.weight, self.scales, self.biases))
+        """(weight, scales, biases) as mlx.core arrays (imports mlx lazily); biases None in the FP modes."""
+        return tuple(None if t is None else torch_to_mx(t) for t in (self.weight, self.scales, self.biases))
 
 
 def _check_mlx_params(bits: int, group_size: int, k: int, what: str) -> None:
@@ -194,7 +208,7 @@ def stack_experts(experts: Sequence[MLXQuantizedWeight]) -> MLXQuantizedWeight:
     return MLXQuantizedWeight(
         weight=torch.stack([e.weight for e in experts]),
         scales=torch.stack([e.scales for e in experts]),
-        biases=torch.stack([e.biases for e in experts]),
+        biases=None if first.biases is None else torch.stack([e.biases for e in experts]),
         bits=first.bits,
         group_size=first.group_size,
         shape=(len(experts),) + tuple(first.shape),
@@ -202,16 +216,22 @@ def stack_experts(experts: Sequence[MLXQuantizedWeight]) -> MLXQuantizedWeight:
     )
 
 
-def pack_mlx_fp(w, mode: str):
-    """Extension point for MLX's floating-point modes (mxfp4, mxfp8, nvfp4).
+def pack_mlx_fp(w, *, name: str = "weight") -> MLXQuantizedWeight:
+    """llmq's MX weight (llmq.quant.formats.mx.MXWeight) -> MLX "mxfp4" / "mxfp8", exactly.
 
-    Those come from the FP export work (different scale encoding: E8M0 / e4m3 uint8
-    scales, no biases); they are deliberately not produced here yet.
+    MLX stores the same bytes: E2M1 codes two per byte (element 2i in the low nibble) or e4m3 bytes,
+    read LSB-first as little-endian uint32 words, and the E8M0 exponent bytes (value 2**(e-127)) per
+    32 as uint8 `scales`, no biases; `mx.dequantize(..., mode=...)` gives llmq's value in float32.
+    llmq's nvfp4 is refused (NVFP4_REFUSAL); so is anything else.
     """
-    raise NotImplementedError(
-        f"MLX mode {mode!r} is not packed by llmq_mlx yet (only 'affine'); "
-        f"FP modes {FP_MODES} belong to the FP export path"
-    )
+    fmt = getattr(w, "format", None)
+    if fmt == "nvfp4":
+        raise ValueError(f"{name}: {NVFP4_REFUSAL}")
+    if fmt not in ("mxfp4", "mxfp8"):
+        raise ValueError(f"{name}: MLX FP modes take llmq's mxfp4/mxfp8 weights, got {type(w).__name__}")
+    bits, group = FP_MODE_PARAMS[fmt]
+    return MLXQuantizedWeight(weight=canonical_bytes_as_uint32(w.codes, name=name), scales=w.scale_e8m0.contiguous(),
+                              biases=None, bits=bits, group_size=group, shape=tuple(w.shape), mode=fmt)
 
 
 def dequantize_like_mlx(m: MLXQuantizedWeight) -> torch.Tensor:

@@ -70,8 +70,18 @@ def mlx_storage(config: Any, scale_dtype: torch.dtype) -> Storage:
     scale and a bias per MLX group (the largest of 32/64/128 the canonical group repeats) in
     `scale_dtype`, for symmetric formats too; scales `scale_dtype` cannot hold exactly (a GGUF block
     imported as it is) in the first of float16, float32 that does (the writer's WIDER_SCALE_DTYPES)."""
+    from llmq_mlx.affine import FP_MODE_PARAMS
     from llmq_mlx.mlx_lm_writer import WIDER_SCALE_DTYPES
     from llmq_mlx.regroup import fallback_params, mlx_group_size_for
+
+    if config.format in ("mxfp4", "mxfp8"):  # MLX's mode of that name: uint32 code words, uint8 E8M0 per 32
+        bits, group = FP_MODE_PARAMS[config.format]
+
+        def fp_tensors(dtype: torch.dtype, shape):
+            lead, k = tuple(shape[:-1]), shape[-1]
+            return {"weight": (torch.uint32, lead + (k * bits // 32,)), "scales": (torch.uint8, lead + (k // group,))}
+
+        return Storage(scale_dtype=scale_dtype, tensors=fp_tensors)
 
     def tensors(dtype: torch.dtype, shape):
         k = shape[-1]
@@ -226,8 +236,11 @@ class MlxBackend(Backend):
     """--backend=mlx (see the module docstring)."""
 
     name = "mlx"
-    description = "a folder mlx_lm.load runs (MLX affine int weights, mlx-lm names and config.json)"
-    accepts_formats = ("int",)  # MLX affine weights are integer
+    description = ("a folder mlx_lm.load runs (MLX affine int weights, mxfp4/mxfp8 in MLX's modes of those names; "
+                   "mlx-lm names and config.json)")
+    # MLX affine weights are integer; llmq's mxfp4/mxfp8 are MLX's modes byte for byte; nvfp4 is not
+    # (MLX's QuantizedLinear has no global scale: affine.NVFP4_REFUSAL)
+    accepts_formats = ("int", "mxfp4", "mxfp8")
     takes_float = False
     checks_consumer = True  # mlx_lm.load runs the folder
     needs_tokenizer_files = True  # a GGUF input's tokenizer is written out as files for mlx_lm.load
@@ -244,14 +257,25 @@ class MlxBackend(Backend):
     def recipe_for(self, recipe: Any) -> Any:
         """The recipe as MLX stores it (mlx_recipe): groups MLX holds (32/64/128) quantized as such, so the
         folder holds exactly the values this recipe gives, with no regrouping; the summary says what changed."""
+        from llmq_mlx.affine import NVFP4_REFUSAL
+
+        # the first rule MLX cannot hold: nvfp4 gets its reason here, any other format the generic refusal
+        first = next((r for r in recipe.rules if r.config is not None and r.config.format not in self.accepts_formats), None)
+        if first is not None and first.config.format == "nvfp4":
+            raise ValueError(f"recipe rule {first.pattern!r}: --backend mlx does not write nvfp4: {NVFP4_REFUSAL}")
         recipe, self._regrouped = mlx_recipe(recipe)
         return recipe
 
     def summary(self, path: str, job: WriteJob) -> List[Tuple[str, str]]:
         rows = [("recipe as MLX stores it", line) for line in self._regrouped]
-        scale = str(mlx_scale_dtype(job.hf_config)).replace("torch.", "")
-        rows.append(("MLX values", f"int weights quantized in MLX groups with {scale} scales and biases: the folder "
-                                   "holds exactly llmq's values for this recipe (mx.dequantize in float32)"))
+        formats = {r.config.format for r in getattr(job.recipe, "rules", ()) if r.config is not None}
+        if "int" in formats or not formats or job.source_kind == "gguf":  # a GGUF's imported blocks are int
+            scale = str(mlx_scale_dtype(job.hf_config)).replace("torch.", "")
+            rows.append(("MLX values", f"int weights quantized in MLX groups with {scale} scales and biases: the folder "
+                                       "holds exactly llmq's values for this recipe (mx.dequantize in float32)"))
+        if formats & {"mxfp4", "mxfp8"}:
+            rows.append(("MLX values", "mxfp4/mxfp8 weights in MLX's modes of those names (the same code and E8M0 "
+                                       "bytes): exactly llmq's values (mx.dequantize in float32)"))
         return rows
 
     def storage(self, config: Any, job: Optional[WriteJob]) -> Storage:

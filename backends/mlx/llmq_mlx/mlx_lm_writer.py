@@ -8,7 +8,10 @@ pipelines own the HF -> MLX key maps, e.g. qwen3_5_moe's conv1d [C, K, 1] and +1
   with scales and biases in `scale_dtype` where it holds them exactly, else in the first of
   WIDER_SCALE_DTYPES that does: a GGUF Q4_0's float16 scales stay 16-bit):
   `mlx_name` is the weight's name,
-  `<module>.weight` (or just `<module>`), and `<module>.weight/.scales/.biases` are written.
+  `<module>.weight` (or just `<module>`), and `<module>.weight/.scales/.biases` are written;
+* `value` llmq's mxfp4 / mxfp8 weight (llmq.quant.formats.mx.MXWeight): written in MLX's mode
+  of that name (`.weight` uint32 words of the same code bytes, `.scales` the uint8 E8M0 bytes, no
+  biases: affine.pack_mlx_fp); llmq's nvfp4 is refused (affine.NVFP4_REFUSAL);
 
 Output:
 
@@ -45,7 +48,7 @@ from llmq.checkpoint.workfolder import WorkFolder
 from llmq.quant.formats import GroupQuantizedWeight
 from llmq.quant.storage import narrowest_exact
 
-from .affine import MLXQuantizedWeight, pack_mlx_affine
+from .affine import MLXQuantizedWeight, pack_mlx_affine, pack_mlx_fp
 
 DEFAULT_MAX_SHARD_BYTES = 5 << 30  # mlx-lm's own shard size
 # Scales a weight's scale dtype cannot hold exactly are written in the first of these that does.
@@ -192,6 +195,8 @@ def write_mlx_lm_folder(
                 # a weight quantized for scale_dtype holds it; an imported one (a GGUF block) may need wider
                 dtype = narrowest_exact(value, (scale_dtype,) + WIDER_SCALE_DTYPES)
                 value = pack_mlx_affine(value, name=name, scale_dtype=dtype)
+            elif getattr(value, "format", None) in ("mxfp4", "mxfp8", "nvfp4"):  # llmq's FP containers
+                value = pack_mlx_fp(value, name=name)
             if isinstance(value, MLXQuantizedWeight):
                 module = _module_path(name)
                 for key, t in value.named_tensors(module).items():

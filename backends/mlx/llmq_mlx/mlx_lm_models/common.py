@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Dict, Mapping, Union
 
 import torch
 
 from llmq.quant.formats import GroupQuantizedWeight
+from llmq.quant.formats.mx import MXWeight
 
 Value = Union[torch.Tensor, GroupQuantizedWeight]
 
 
 def split_rows(value: Value, start: int, stop: int) -> Value:
     """Rows [start, stop) of a (possibly stacked) weight, along the output axis (-2); exact."""
+    if isinstance(value, MXWeight):
+        return dataclasses.replace(value, codes=value.codes[..., start:stop, :].contiguous(),
+                                   scale_e8m0=value.scale_e8m0[..., start:stop, :].contiguous(),
+                                   shape=tuple(value.shape[:-2]) + (stop - start, value.shape[-1]))
     if isinstance(value, GroupQuantizedWeight):
         shape = tuple(value.shape[:-2]) + (stop - start, value.shape[-1])
         return GroupQuantizedWeight(
