@@ -235,3 +235,24 @@ def test_quantize_and_save_backend_mlx(arch, recipe, tmp_path):
     assert result["mlx"]["float32"]
     assert result["mlx"]["mlx_vs_quantized"]["cosine"] > 1 - 1e-6
     assert abs(result["mlx"]["mlx_vs_reference"]["cosine"] - result["cosine"]) < 1e-2
+
+
+def test_quantize_and_save_backend_mlx_mxfp4_mxfp8(tmp_path):
+    """llmq's mxfp4/mxfp8 through the CLI path (Qwen3.5-MoE: dense and stacked experts) land in MLX's modes
+    of those names, mlx-lm's forward equals our quantized model's, and mlx-lm runs the folder as its user does."""
+    rules = [{"pattern": "(.*\\.)?(embed_tokens|lm_head)", "config": None},
+             {"pattern": ".*\\.mlp\\.(gate|shared_expert_gate)", "config": None},
+             {"pattern": ".*(norm|conv1d).*", "config": None},
+             {"pattern": ".*\\.mlp\\..*", "config": {"format": "mxfp8"}},
+             {"pattern": ".*", "config": {"format": "mxfp4"}}]
+    recipe = tmp_path / "mx.json"
+    recipe.write_text(json.dumps({"rules": rules}))
+    result = run(QWEN, checkpoint=None, recipe=str(recipe), backend="mlx", out=str(tmp_path / "out"), resume=True,
+                 max_shard_size=1 << 20, verify=True, seed=0, progress=False)
+    with open(os.path.join(result["bundle"], "config.json")) as f:
+        q = json.load(f)["quantization"]
+    modes = {p.get("mode", q["mode"]) if isinstance(p, dict) else q["mode"]
+             for k, p in q.items() if k not in ("group_size", "bits", "mode") and p is not False}
+    assert modes | {q["mode"]} == {"mxfp4", "mxfp8"}, q
+    assert result["mlx"]["mlx_vs_quantized"]["cosine"] > 1 - 1e-6
+    assert result["consumer"]["ok"], result["consumer"]
