@@ -39,7 +39,7 @@ The arithmetic runs in float32 (compute dtype; float64 for the reference tests).
 
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping, Optional
+from typing import Optional
 
 import torch
 
@@ -220,20 +220,3 @@ def without_hessian(config):
     fit = check_options(dict(config.options or ()))["fit"]
     return dataclasses.replace(config, method=fit, options=None)
 
-
-def quantize_layer(weights: Mapping[str, torch.Tensor], configs: Mapping[str, Any],
-                   hessians: Mapping[str, torch.Tensor]) -> Dict[str, Any]:
-    """Quantize the linears of one layer given their H: {name: quantized weight} for every name in
-    `weights` whose config (configs[name]) is not None; gptq configs round against hessians[name],
-    the others as quantize_weight does. What a sequential (layer by layer) calibration calls once
-    a layer's inputs are known, before feeding the quantized layer's outputs to the next one."""
-    from llmq.quant.quantize import quantize_weight
-
-    out = {}
-    for name, w in weights.items():
-        config = configs.get(name)
-        if config is None:
-            continue
-        hessian = hessians.get(name) if config.method == "gptq" else None
-        out[name] = quantize_weight(w, config, name=name, hessian=hessian)
-    return out

@@ -9,7 +9,8 @@ import torch
 from llmq.quant import QuantConfig, dequantize, quantize_weight
 from llmq.quant.budget import output_error
 from llmq.quant.codecs import round_scale_mantissa, unpack_bits
-from llmq.quant.gptq import gptq_quantize, quantize_layer, without_hessian
+from llmq.quant.gptq import gptq_quantize, without_hessian
+from llmq.quant.quantize import quantize_layer
 from llmq.quant.storage import holds_scales
 
 

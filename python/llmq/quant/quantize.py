@@ -6,7 +6,7 @@ or a quantized weight in the registry and hands it over, after the checks that h
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Dict, Mapping, Optional
 
 import torch
 
@@ -46,6 +46,22 @@ def quantize_weight(w: torch.Tensor, config: QuantConfig, *, name: str = "<tenso
             raise ValueError(f"{name}: importance weights apply to format 'int' with method 'hqq' or 'search' only, got {config.describe()!r}")
         return get_format(config.format).quantize(w, config, name=name, importance=importance)
     return get_format(config.format).quantize(w, config, name=name)
+
+
+def quantize_layer(weights: Mapping[str, torch.Tensor], configs: Mapping[str, Any],
+                   hessians: Mapping[str, torch.Tensor]) -> Dict[str, Any]:
+    """Quantize the linears of one layer given their H: {name: quantized weight} for every name in
+    `weights` whose config (configs[name]) is not None; gptq configs round against hessians[name],
+    the others as quantize_weight does. What a sequential (layer by layer) calibration calls once
+    a layer's inputs are known, before feeding the quantized layer's outputs to the next one."""
+    out = {}
+    for name, w in weights.items():
+        config = configs.get(name)
+        if config is None:
+            continue
+        hessian = hessians.get(name) if config.method == "gptq" else None
+        out[name] = quantize_weight(w, config, name=name, hessian=hessian)
+    return out
 
 
 def takes_importance(config: QuantConfig) -> bool:
