@@ -150,7 +150,7 @@ class RoundToNearest:
                                   (isinstance(value, torch.Tensor) and value.is_floating_point())):
             return value  # kept as is by the recipe, or already quantized in the input (a GGUF's blocks)
         if "minmax" in get_format(config.format).methods:
-            config = dataclasses.replace(config, method="minmax")
+            config = dataclasses.replace(config, method="minmax", options=None)  # a gptq rule's options go too
         if name in (layerwise.EMBED_WEIGHT, layerwise.HEAD_WEIGHT):
             return layerwise.RoundedRows(value, config, name)
         return quantize_weight(value.whole() if isinstance(value, RowBlocks) else value, config, name=name)

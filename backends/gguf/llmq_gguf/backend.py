@@ -5,7 +5,8 @@ Integer weights are written as the GGUF block type whose arithmetic they are, ex
 and -- through `recipe_for` -- llmq's "int" configs that have a block type (4- and 5-bit groups of 32:
 q4_0 / q5_0 symmetric, q4_1 / q5_1 asymmetric; 8-bit symmetric groups of 32: q8_0; 6-bit and 3-bit
 symmetric groups of 16: q6_k, q3_k; 2-bit asymmetric groups of 16: q2_k), quantized under its
-constraints (float16 d and m). --budget_bits_per_weight chooses per matrix among all these block types
+constraints (float16 d and m), by any of the block formats' methods (minmax, search, hqq, gptq; a rule's
+options are kept). --budget_bits_per_weight chooses per matrix among all these block types
 (`budget_options`). A GGUF input's weights, imported exactly, go back to a block type holding the same
 values. Tensors kept in high precision are written in the dtype they arrive in (F32 / F16 / BF16; 1-D
 tensors F32, as llama.cpp's converter writes them).
@@ -29,8 +30,7 @@ import torch
 from llmq.backend import Backend, BackendError, WriteJob, register_backend
 from llmq.checkpoint.workfolder import WorkFolder
 from llmq.quant import GroupQuantizedWeight, QuantConfig, QuantRecipe, QuantRule
-from llmq.quant.formats.gguf_fit import METHODS
-from llmq.quant.formats.gguf_quant import BLOCK_TYPES, NotExact, encode_blocks
+from llmq.quant.formats.gguf_quant import BLOCK_TYPES, GGUFQuantFormat, NotExact, encode_blocks
 
 FILE_NAME = "model.gguf"
 # llmq "int" config (bits, group size, symmetric) -> the block format of the same arithmetic
@@ -59,10 +59,11 @@ def recipe_as_blocks(recipe: QuantRecipe) -> QuantRecipe:
                 raise BackendError(f"--backend gguf: recipe rule {rule.pattern!r}: {c.describe()} has no GGUF block "
                                    f"type; GGUF holds {_HOLDS}")
             t = BLOCK_TYPES[kind]
-            if c.method not in METHODS:
+            if c.method not in GGUFQuantFormat.methods:
                 raise BackendError(f"--backend gguf: recipe rule {rule.pattern!r}: method {c.method!r} does not "
-                                   f"choose {t.ggml}'s block scales; use one of {', '.join(METHODS)}")
-            c = QuantConfig(format=kind, bits=t.bits, group_size=t.group, symmetric=t.symmetric, method=c.method)
+                                   f"choose {t.ggml}'s block scales; use one of {', '.join(GGUFQuantFormat.methods)}")
+            c = QuantConfig(format=kind, bits=t.bits, group_size=t.group, symmetric=t.symmetric, method=c.method,
+                            options=c.options)
         rules.append(QuantRule(rule.pattern, c, layers=rule.layers))
     return QuantRecipe(rules, num_layers=recipe.num_layers)
 

@@ -31,6 +31,13 @@ calibration tokens (llmq.quant.importance.Calibration.hessians):
    order of H[i, i]. The groups stay the original consecutive groups; a group's scale is fitted
    when the first of its columns in that order comes up, from all its columns' current values
    (GPTQ's "static groups" would fit every group on the original weights instead).
+6. GGUF block types (formats q4_0 .. q8_0, q2_k .. q6_k; llmq.quant.formats.gguf_fit): the unit
+   fitted at once is a block (32 columns) or a K-quant super-block (256 columns: its sub-block
+   scales share one float16 d, and dmin), not a group. When the first of its columns comes up, its
+   stored parameters are fitted from its current values by gguf_fit.fit (option "fit": "search",
+   importance-weighted by diag(H) as for "int", or "minmax"), and each of its columns is then
+   rounded with them by gguf_fit.round_columns: every scale, bias and code is one the block type
+   stores, so the GGUF backend writes the result as it is (gguf_quant.encode_blocks).
 
 The result is an ordinary GroupQuantizedWeight (codes, float32 scale and bias per group in the
 canonical form), so every backend takes it; `dequantize` gives scale*q + bias as for any method.
@@ -39,7 +46,8 @@ The arithmetic runs in float32 (compute dtype; float64 for the reference tests).
 
 from __future__ import annotations
 
-from typing import Optional
+import dataclasses
+from typing import Callable, Optional, Tuple
 
 import torch
 
@@ -140,20 +148,88 @@ def _check_hessian(hessian, k: int, name: str) -> torch.Tensor:
     return hessian
 
 
+@dataclasses.dataclass(frozen=True)
+class _Grid:
+    """What a format stores for a run of columns, as the column loop needs it: the parameters of `unit`
+    consecutive columns are fitted together (`fit`: current values float32 [N, unit] and their columns'
+    importance [unit] -> scale, bias [N, unit / group]), `group` columns share one (scale, bias), and
+    `round` gives one column's codes and dequantized values (column [N], its unit's scale and bias
+    [N, unit / group], its offset in the unit)."""
+
+    unit: int
+    group: int
+    bits: int
+    fit: Callable[[torch.Tensor, torch.Tensor], Tuple[torch.Tensor, torch.Tensor]]
+    round: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], Tuple[torch.Tensor, torch.Tensor]]
+
+
+def _int_grid(w: torch.Tensor, config, fit: str, name: str) -> _Grid:
+    """Format "int": a unit is a group, fitted by `_fit` (module docstring, step 4)."""
+    from llmq.quant.formats.int_affine import _check_weight
+
+    gs = _check_weight(w, config.bits, config.group_size, name)
+    qmax = float((1 << config.bits) - 1)
+
+    def fit_unit(values, importance):
+        s, b = _fit(values, config, fit, importance, name)
+        return s.unsqueeze(1), b.unsqueeze(1)
+
+    def round_column(col, scale, bias, offset):
+        s, b = scale[:, 0].to(col.dtype), bias[:, 0].to(col.dtype)
+        q = ((col - b) / s).round_().clamp_(0.0, qmax)
+        return q, q * s + b
+
+    return _Grid(gs, gs, config.bits, fit_unit, round_column)
+
+
+def _gguf_grid(w: torch.Tensor, config, fit: str, name: str) -> _Grid:
+    """A GGUF block type: a unit is a block (a K-quant's super-block), fitted by gguf_fit.fit and rounded by
+    gguf_fit.round_columns (module docstring, step 6)."""
+    from llmq.quant.formats.gguf_fit import BLOCK_TYPES, fit as fit_block, round_columns
+
+    kind = config.format
+    t = BLOCK_TYPES[kind]
+    check_weight(w, name)
+    if w.shape[-1] % t.block:
+        raise ValueError(f"{name}: {kind} ({t.ggml}) needs rows of a multiple of {t.block} elements, got K={w.shape[-1]}")
+
+    def fit_unit(values, importance):
+        return fit_block(kind, values, method=fit, importance=importance, name=name)
+
+    def round_column(col, scale, bias, offset):
+        q, deq = round_columns(kind, col.unsqueeze(1), scale, bias, offset)
+        return q[:, 0], deq[:, 0].to(col.dtype)
+
+    return _Grid(t.block, t.group, t.bits, fit_unit, round_column)
+
+
+def grid_of(w: torch.Tensor, config, fit: str, name: str = "<tensor>") -> _Grid:
+    """The column loop's view of `config`'s format ("int" or a GGUF block type); ValueError (one line)
+    for a format gptq cannot round to."""
+    from llmq.quant.formats.gguf_fit import BLOCK_TYPES
+
+    if config.format == "int":
+        return _int_grid(w, config, fit, name)
+    if config.format in BLOCK_TYPES:
+        return _gguf_grid(w, config, fit, name)
+    raise ValueError(f"{name}: method 'gptq' rounds to the integer formats ('int' and the GGUF block types "
+                     f"{', '.join(BLOCK_TYPES)}), not {config.format!r}")
+
+
 def gptq_quantize(w: torch.Tensor, config, hessian: torch.Tensor, *, name: str = "<tensor>",
                   compute_dtype: torch.dtype = torch.float32):
-    """The GroupQuantizedWeight of a 2-D float weight w [N, K] for an "int" `config` with method
-    "gptq" (its options: config.options), rounded against H = `hessian` [K, K] (the mean of x x^T
-    over the layer's calibration inputs); see the module docstring."""
-    from llmq.quant.formats.int_affine import GroupQuantizedWeight, _check_weight
+    """The GroupQuantizedWeight of a 2-D float weight w [N, K] for an "int" or GGUF block type `config`
+    with method "gptq" (its options: config.options), rounded against H = `hessian` [K, K] (the mean of
+    x x^T over the layer's calibration inputs); see the module docstring."""
+    from llmq.quant.formats.int_affine import GroupQuantizedWeight
 
     check_weight(w, name)
     if w.dim() != 2:
         raise ValueError(f"{name}: method 'gptq' rounds 2-D [out, in] weights; got shape {list(w.shape)}")
     check_finite(w, name)
     n, k = w.shape
-    gs = _check_weight(w, config.bits, config.group_size, name)
     opts = check_options(dict(config.options or ()))
+    grid = grid_of(w, config, opts["fit"], name)
     _check_hessian(hessian, k, name)
     diag = hessian.detach().to(device="cpu", dtype=torch.float64).diagonal()
     dead = ~(diag > 0)
@@ -171,12 +247,11 @@ def gptq_quantize(w: torch.Tensor, config, hessian: torch.Tensor, *, name: str =
     u = upper.to(dt)
     weight = w.detach().to(device="cpu", dtype=dt)[:, perm].clone()
     codes = torch.empty(n, k, dtype=torch.uint8)
-    groups = k // gs
-    scale = torch.zeros(n, groups, dtype=torch.float32)
-    bias = torch.zeros(n, groups, dtype=torch.float32)
-    fitted = [False] * groups
-    group_of = (perm // gs).tolist()
-    qmax = float((1 << config.bits) - 1)
+    unit, per = grid.unit, grid.unit // grid.group
+    scale = torch.zeros(n, k // grid.group, dtype=torch.float32)
+    bias = torch.zeros(n, k // grid.group, dtype=torch.float32)
+    fitted = [False] * (k // unit)
+    column = perm.tolist()
     block = opts["block_size"]
     for b0 in range(0, k, block):
         b1 = min(b0 + block, k)
@@ -184,39 +259,37 @@ def gptq_quantize(w: torch.Tensor, config, hessian: torch.Tensor, *, name: str =
         err1 = torch.zeros(n, b1 - b0, dtype=dt)
         u1 = u[b0:b1, b0:b1]
         for j in range(b1 - b0):
-            g = group_of[b0 + j]
+            c = column[b0 + j]
+            g = c // unit
             if not fitted[g]:
-                pos = inv_perm[g * gs:(g + 1) * gs]  # the group's columns in processing order
-                current = torch.empty(n, gs, dtype=dt)
+                pos = inv_perm[g * unit:(g + 1) * unit]  # the unit's columns in processing order
+                current = torch.empty(n, unit, dtype=dt)
                 inside = pos < b1
                 if bool(inside.any()):
                     current[:, inside] = w1[:, pos[inside] - b0]
                 if not bool(inside.all()):
                     out = pos[~inside]
                     current[:, ~inside] = weight[:, out] - err1[:, :j] @ u[b0:b0 + j, out]
-                s, bb = _fit(current.to(torch.float32), config, opts["fit"], importance[g * gs:(g + 1) * gs], name)
-                scale[:, g], bias[:, g] = s, bb
+                s, bb = grid.fit(current.to(torch.float32), importance[g * unit:(g + 1) * unit])
+                scale[:, g * per:(g + 1) * per], bias[:, g * per:(g + 1) * per] = s, bb
                 fitted[g] = True
-            s, bb = scale[:, g].to(dt), bias[:, g].to(dt)
             col = w1[:, j]
-            q = ((col - bb) / s).round_().clamp_(0.0, qmax)
+            q, approx = grid.round(col, scale[:, g * per:(g + 1) * per], bias[:, g * per:(g + 1) * per], c - g * unit)
             codes[:, b0 + j] = q.to(torch.uint8)
-            e = (col - (q * s + bb)) / u1[j, j]
+            e = (col - approx) / u1[j, j]
             if j + 1 < b1 - b0:
                 w1[:, j + 1:].addr_(e, u1[j, j + 1:], alpha=-1.0)
             err1[:, j] = e
         if b1 < k:
             weight[:, b1:].addmm_(err1, u[b0:b1, b1:], alpha=-1.0)
     codes = codes[:, inv_perm].contiguous()
-    return GroupQuantizedWeight(qdata=pack_bits(codes, config.bits), scale=scale, bias=bias, bits=config.bits,
-                                group_size=gs, shape=(n, k), dtype=w.dtype)
+    return GroupQuantizedWeight(qdata=pack_bits(codes, grid.bits), scale=scale, bias=bias, bits=grid.bits,
+                                group_size=grid.group, shape=(n, k), dtype=w.dtype)
 
 
 def without_hessian(config):
     """The config a gptq rule falls back to for a weight with no H: the same format rounded by its
     group fit alone (option "fit": method "search" or "minmax")."""
-    import dataclasses
-
     fit = check_options(dict(config.options or ()))["fit"]
     return dataclasses.replace(config, method=fit, options=None)
 

@@ -145,7 +145,7 @@ def test_refusals_are_one_line():
     bad[3, 3] = float("nan")
     with pytest.raises(ValueError, match="NaN/Inf"):
         quantize_weight(w, config, name="w", hessian=bad)
-    with pytest.raises(ValueError, match="hessian= applies to format 'int' with method 'gptq' only"):
+    with pytest.raises(ValueError, match="hessian= applies to method 'gptq' only"):
         quantize_weight(w, QuantConfig(bits=4, group_size=16), hessian=torch.eye(32))
     with pytest.raises(ValueError, match="rounds 2-D"):
         quantize_weight(torch.randn(2, 8, 32), config, hessian=torch.eye(32))

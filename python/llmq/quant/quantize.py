@@ -27,13 +27,13 @@ def quantize_weight(w: torch.Tensor, config: QuantConfig, *, name: str = "<tenso
     importance-weighted error. Other methods refuse it.
 
     hessian: the layer's input second moment H [K, K] (the mean of x x^T over calibration tokens,
-    llmq.quant.importance.Calibration.hessians) for format "int" with method "gptq"
-    (llmq.quant.gptq), which needs it; other methods refuse it."""
+    llmq.quant.importance.Calibration.hessians) for method "gptq" (llmq.quant.gptq; formats "int"
+    and the GGUF block types q4_0 .. q6_k), which needs it; other methods refuse it."""
     if not isinstance(config, QuantConfig):
         raise ValueError(f"{name}: expected a QuantConfig, got {type(config).__name__}")
     if hessian is not None or config.method == "gptq":
-        if config.method != "gptq" or config.format != "int":
-            raise ValueError(f"{name}: hessian= applies to format 'int' with method 'gptq' only, got {config.describe()!r}")
+        if config.method != "gptq":
+            raise ValueError(f"{name}: hessian= applies to method 'gptq' only, got {config.describe()!r}")
         if importance is not None:
             raise ValueError(f"{name}: method 'gptq' takes hessian=, not importance= (diag(H) is the importance)")
         if hessian is None:

@@ -8,8 +8,10 @@ scale, additive bias; everything downstream reads it unchanged), chosen under th
 constraints so that it *is* a GGUF block bit for bit. The table of what each type stores, and the
 methods (minmax: llama.cpp's reference rounding, byte for byte for the blocks of 32; search; hqq; the
 last two importance-weighted) are in llmq.quant.formats.gguf_fit, which fits the stored parameters and
-then rounds the codes against them. Rows must be a whole number of blocks (32, or 256 for the
-K-quants): `shape_problem` refuses the others before any work.
+then rounds the codes against them. Method "gptq" (llmq.quant.gptq, with the layer's H:
+quantize_weight(..., hessian=), or a run's --calibration_text) rounds column by column, fitting each
+block's stored parameters by gguf_fit when its first column comes up. Rows must be a whole number of
+blocks (32, or 256 for the K-quants): `shape_problem` refuses the others before any work.
 
 `encode_blocks(type, weight)` writes any canonical weight whose values a block type holds as that
 type's bytes (ggml-common.h's layouts, the inverse of llmq.quant.formats.gguf_blocks), and raises
@@ -238,7 +240,8 @@ class GGUFQuantFormat(Format):
     family = "gguf-quant"
     names = tuple(BLOCK_TYPES)
     has_quantized_module = True
-    methods = METHODS
+    # gguf_fit's methods, and llmq.quant.gptq (needs the layer's H; it fits the blocks by gguf_fit)
+    methods = METHODS + ("gptq",)
     importance_methods = ("search", "hqq")
     config_fields = ("bits", "group_size", "symmetric")
 
@@ -255,6 +258,10 @@ class GGUFQuantFormat(Format):
         if getattr(config, "scale_dtype", None) not in (None, torch.float32):
             raise ValueError(f"QuantConfig.scale_dtype for {config.format!r}: the scales are float16 inside the "
                              "canonical float32; leave scale_dtype at float32")
+        if config.method == "gptq":
+            from llmq.quant.gptq_options import check_options
+
+            check_options(dict(config.options or ()))
 
     def shape_problem(self, config: Any, shape: Tuple[int, ...]) -> Optional[str]:
         t = BLOCK_TYPES[config.format]
@@ -264,6 +271,9 @@ class GGUFQuantFormat(Format):
 
     def quantize(self, w: torch.Tensor, config: Any, *, name: str = "<tensor>",
                  importance: Optional[torch.Tensor] = None) -> GroupQuantizedWeight:
+        if config.method == "gptq":
+            raise ValueError(f"{name}: method 'gptq' rounds against the layer's inputs: it needs their second moment "
+                             "H (quantize_weight(..., hessian=); in a run, --calibration_text)")
         return quantize(w, config.format, name=name, method=config.method, importance=importance)
 
     def dequantize(self, value: GroupQuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
