@@ -66,6 +66,11 @@ LLMQ_ROWS: Dict[str, Tuple[dict, List[str]]] = {
                                 ["--calibration_text", "--budget_bits_per_weight={q4_0}", "--budget_method=search"]),
     "llmq budget @ Q4_K_M size": (_all({**Q4, "symmetric": True, "method": "search"}),
                                   ["--calibration_text", "--budget_bits_per_weight={q4_k_m}", "--budget_method=search"]),
+    "llmq gptq + imatrix (Q4_0)": (_all({**Q4, "symmetric": True, "method": "gptq"}), ["--calibration_text"]),
+    # Gemma 3 270M's rows of 640 (q, k, v, gate, up) are no whole K-quant super-block; o_proj's and down_proj's
+    # (1024, 2048) are: the budget chooses per matrix among every block type, K-quants where they tile, all by gptq
+    "llmq gptq budget @ Q4_K_M size": (_all({**Q4, "symmetric": True, "method": "gptq"}),
+                                       ["--calibration_text", "--budget_bits_per_weight={q4_k_m}", "--budget_method=gptq"]),
 }
 
 
@@ -180,7 +185,8 @@ def main(argv=None) -> int:
     print("2. reference logits and imatrix", flush=True)
     _run([tool["llama-perplexity"], "-m", ref, "-f", held, "--kl-divergence-base", kld] + ppl_args,
          os.path.join(work, "reference-ppl.log"))
-    if any(LLAMA_CPP_ROWS.get(r, ("", False))[1] for r in rows) or any(r.startswith("llmq budget") for r in rows):
+    budget_rows = [r for r in rows if any("{q4_" in f for f in LLMQ_ROWS.get(r, ({}, []))[1])]
+    if any(LLAMA_CPP_ROWS.get(r, ("", False))[1] for r in rows) or budget_rows:
         _run([tool["llama-imatrix"], "-m", ref, "-f", calib, "-o", imatrix, "-c", str(args.ctx),
               "--chunks", str(args.calibration_chunks)] + threads, os.path.join(work, "imatrix.log"))
 
