@@ -18,8 +18,7 @@ from safetensors.torch import load_file
 from llmq.quant import GroupQuantizedWeight, QuantConfig, quantize_weight
 from llmq.quant.formats import dequantize_canonical
 from models.gemma3.architecture import ARCHITECTURE as GEMMA3
-from models.pipeline import calibration as calibration_module
-from models.pipeline import inputs
+from models.pipeline import calibration as calibration_module, inputs
 from models.pipeline.default_model import write_default_checkpoint, write_tiny_tokenizer
 from models.pipeline.gguf_output import gguf_fields
 from models.pipeline.quantize_and_save import UsageError, run

@@ -11,8 +11,7 @@ import torch
 
 from llmq.quant import QuantConfig, dequantize, quantize_weight
 from llmq.quant.budget import output_error
-from llmq.quant.formats import dequantize_canonical
-from llmq.quant.formats import gguf_quant as gq
+from llmq.quant.formats import dequantize_canonical, gguf_quant as gq
 
 KINDS = list(gq.BLOCK_TYPES)
 
