@@ -11,8 +11,10 @@ fills those parts from the checkpoint itself:
 * verification goes through transformers' own class for the architecture when transformers knows
   it (models/pipeline/generic_verify.py), else compares each tensor with its original.
 
-Backends that need model knowledge (`Backend.needs_model`) are refused with their reason; where llmq has
-its own code for the model_type (models/architectures.py), the summary names that model's target.
+Backends that need model knowledge (`Backend.needs_model`) are refused with their reason, but GGUF for the
+llama-family model_types whose llama.cpp names, transforms and metadata gguf-py's tables and llama.cpp's converter
+conventions give (models/pipeline/generic_gguf.py); where llmq has its own code for the model_type
+(models/architectures.py), the summary names that model's target.
 """
 
 from __future__ import annotations
@@ -54,6 +56,9 @@ class GenericArchitecture(Architecture):
     layers: int = 0
     # llmq's own Architecture for this model_type, if it has one (its target does more: MLX, .pte).
     own: Optional[Architecture] = None
+    # Why --backend=gguf cannot be written ("" where gguf_import holds the checkpoint's GGUF export:
+    # models/pipeline/generic_gguf.py).
+    gguf_missing: str = ""
 
     def num_layers(self, config) -> int:
         return self.layers
@@ -62,6 +67,8 @@ class GenericArchitecture(Architecture):
         """Why model-free quantization cannot write `writer`'s output ("" where it can)."""
         if not writer.needs_model:
             return ""
+        if writer.name == "gguf":  # llama.cpp's names, transforms and metadata: generic_gguf.py's table
+            return self.gguf_missing
         why = f"it needs model knowledge: {writer.needs_model}"
         if self.own is not None:
             why += f"; llmq has model code for {self.name}: bazel run {self.own.target}"
@@ -77,6 +84,7 @@ def generic_architecture(checkpoint: str, hf_config: Dict[str, Any]) -> GenericA
     """The model-free Architecture of the HF folder `checkpoint` (its config.json dict `hf_config`)."""
     from llmq.checkpoint import checkpoint_shapes
     from models.pipeline.arch import architecture_for_model_type
+    from models.pipeline.generic_gguf import gguf_export
     from models.pipeline.generic_verify import verify
     from models.pipeline.transformers_model import transformers_model_class
 
@@ -88,6 +96,7 @@ def generic_architecture(checkpoint: str, hf_config: Dict[str, Any]) -> GenericA
                          "*.safetensors; expected a Hugging Face checkpoint folder)")
     tf_config, missing = transformers_model_class(hf_config)
     config = tf_config if tf_config is not None else types.SimpleNamespace(**hf_config)
+    export, gguf_missing = gguf_export(hf_config, shapes)
     return GenericArchitecture(
         name=name,
         tiny_hf_config=lambda: dict(hf_config),
@@ -101,6 +110,8 @@ def generic_architecture(checkpoint: str, hf_config: Dict[str, Any]) -> GenericA
         transformers_missing=missing,
         layers=_layers_in(shapes),
         own=architecture_for_model_type(model_type),
+        gguf_import=export,
+        gguf_missing=gguf_missing,
     )
 
 
@@ -140,7 +151,7 @@ def model_free_architecture(checkpoint: Optional[str], backend: str) -> Architec
     import os
 
     from llmq.backend import backend_names, get_backend
-    from models.pipeline import gguf_input
+    from models.pipeline import generic_gguf, gguf_input
     from models.pipeline.inputs import read_hf_config
 
     if checkpoint is None:
@@ -166,7 +177,8 @@ def model_free_architecture(checkpoint: Optional[str], backend: str) -> Architec
     why = arch.refuses(writer)
     if why:
         free = [n for n in backend_names() if not get_backend(n).needs_model]
-        raise UsageError(f"--backend {backend}: {why}; model-free quantization writes {', '.join(free)}")
+        raise UsageError(f"--backend {backend}: {why}; model-free quantization writes {', '.join(free)}"
+                         + (f", and gguf for model_type {generic_gguf.supported()}" if backend != "gguf" else ""))
     own = (f"; llmq also has model code for it: bazel run {arch.own.target} (its MLX / GGUF / .pte outputs)"
            if arch.own is not None else "")
     print(f"note: model-free quantization of a {arch.name} checkpoint: recipe rules over its tensor names{own}")

@@ -123,12 +123,11 @@ def test_cli_refuses_what_needs_a_model(tiny, tmp_path):
     from models.pipeline.cli import main_model_free
 
     folder = tiny("llama")
-    for backend, words in (("mlx", ("--backend mlx", "model knowledge", "mlx-lm")),
-                           ("gguf", ("--backend gguf", "llama.cpp", "bundle"))):
+    for backend, words in (("mlx", ("--backend mlx", "model knowledge", "mlx-lm", "gguf for model_type llama")),):
         result = run_main(None, [f"--checkpoint={folder}", f"--backend={backend}", f"--out={tmp_path / backend}"],
                           tmp_path, entry=main_model_free)
         assert_one_line_exit_2(result, *words)
-        assert not os.path.exists(tmp_path / backend)
+        assert not os.path.exists(tmp_path / backend)  # (gguf: generic_gguf_test.py)
     # not a checkpoint: one line naming what is supported
     (tmp_path / "notes.txt").write_text("x")
     result = run_main(None, [f"--checkpoint={tmp_path / 'notes.txt'}"], tmp_path, entry=main_model_free)
@@ -161,7 +160,7 @@ def test_cli_dry_run_and_suggestions(tiny, tmp_path):
     assert code == 0, err
     lines = {line.split()[0]: line for line in out.splitlines() if line.startswith("  ")}
     assert "bytes" in lines["bundle"] and "bits per weight" in lines["hf-compressed-tensors"]
-    assert "not written" in lines["mlx"] and "not written" in lines["gguf"]
+    assert "not written" in lines["mlx"] and "bits per weight" in lines["gguf"]  # Mistral: llama.cpp's "llama"
     assert not os.path.exists(tmp_path / "o")
     assert_one_line_exit_2(run_main(None, [f"--checkpoint={folder}", "--recipe=imt4"], tmp_path,
                                     entry=main_model_free), "did you mean 'int4'")
