@@ -80,8 +80,10 @@ def _layers_in(names) -> int:
     return max(found) + 1 if found else 0
 
 
-def generic_architecture(checkpoint: str, hf_config: Dict[str, Any]) -> GenericArchitecture:
-    """The model-free Architecture of the HF folder `checkpoint` (its config.json dict `hf_config`)."""
+def generic_architecture(checkpoint: str, hf_config: Dict[str, Any],
+                         shapes: Optional[Dict[str, Tuple[int, ...]]] = None) -> GenericArchitecture:
+    """The model-free Architecture of the HF folder `checkpoint` (its config.json dict `hf_config`; `shapes`:
+    its tensors' names and shapes where they are not its safetensors headers', a GGUF's)."""
     from llmq.checkpoint import checkpoint_shapes
     from models.pipeline.arch import architecture_for_model_type
     from models.pipeline.generic_gguf import gguf_export
@@ -90,7 +92,7 @@ def generic_architecture(checkpoint: str, hf_config: Dict[str, Any]) -> GenericA
 
     model_type = hf_config.get("model_type")
     name = model_type if isinstance(model_type, str) and model_type else "unknown"
-    shapes = checkpoint_shapes(checkpoint)
+    shapes = shapes or checkpoint_shapes(checkpoint)
     if not shapes:
         raise UsageError(f"--checkpoint {checkpoint}: no safetensors tensors (model-free quantization reads "
                          "*.safetensors; expected a Hugging Face checkpoint folder)")
@@ -116,21 +118,51 @@ def generic_architecture(checkpoint: str, hf_config: Dict[str, Any]) -> GenericA
 
 
 def gguf_architecture(checkpoint: str) -> Architecture:
-    """The registered architecture that imports the GGUF `checkpoint` (by general.architecture); a GGUF
-    of another architecture is one UsageError line naming what is supported."""
+    """The registered architecture that imports the GGUF `checkpoint` (by general.architecture), else the
+    model-free one of a llama-family GGUF (generic_gguf.py, read back through gguf-py's table); a GGUF of
+    another architecture is one UsageError line naming what is supported."""
     from llmq.checkpoint import read_gguf_metadata
+    from models.pipeline import generic_gguf
 
     found = read_gguf_metadata(checkpoint).get("general.architecture")
     arch = architecture_for_gguf(found)
-    if arch is None:
+    if arch is not None:
+        return arch
+    if found not in generic_gguf.GGUF_ARCHITECTURES:
         raise UsageError(f"--checkpoint {checkpoint}: a GGUF of general.architecture {found!r}, which no llmq "
                          f"model imports; {supported()}")
+    return _generic_from_gguf(checkpoint, found)
+
+
+def _generic_from_gguf(checkpoint: str, found: str) -> GenericArchitecture:
+    """The model-free Architecture of a llama-family GGUF: its config.json and tensor names rebuilt from its
+    metadata and gguf-py's table (generic_gguf.hf_config_from_gguf / hf_shapes)."""
+    from llmq.checkpoint.gguf_import import GGUFFile
+    from models.pipeline import generic_gguf, gguf_input
+
+    with GGUFFile(checkpoint) as f:
+        metadata, shapes = dict(f.metadata), {t.name: tuple(t.shape) for t in f.tensors}
+
+    def no_read(name):
+        raise ValueError(f"{name}: not read while rebuilding the config")
+
+    try:
+        hf_config = generic_gguf.hf_config_from_gguf(metadata, gguf_input.GGUFTensors(shapes=shapes, read=no_read))
+        names = generic_gguf.hf_shapes(found, shapes)
+    except ValueError as e:
+        raise UsageError(f"--checkpoint {checkpoint}: {e}") from None
+    arch = generic_architecture(checkpoint, hf_config, shapes=names)
+    if arch.gguf_import is None:
+        raise UsageError(f"--checkpoint {checkpoint}: {arch.gguf_missing}")
     return arch
 
 
 def supported() -> str:
     """What the model-free target reads, in one clause."""
     gguf = sorted(a.gguf_architecture for a in registered_architectures() if a.gguf_architecture)
+    from models.pipeline.generic_gguf import GGUF_ARCHITECTURES
+
+    gguf += [a for a in GGUF_ARCHITECTURES if a not in gguf]
     return ("supported: a Hugging Face checkpoint folder (config.json + *.safetensors) of any architecture, "
             f"or a .gguf file of general.architecture {', '.join(gguf)}")
 
@@ -164,8 +196,12 @@ def model_free_architecture(checkpoint: Optional[str], backend: str) -> Architec
         if not os.path.isfile(checkpoint):
             raise UsageError(f"--checkpoint {checkpoint}: no such file")
         arch = gguf_architecture(checkpoint)
-        print(f"note: a {arch.gguf_architecture} GGUF: read by llmq's {arch.name} model code (its GGUF import), "
-              f"as {arch.target} does")
+        if isinstance(arch, GenericArchitecture):
+            print(f"note: a {arch.gguf_architecture} GGUF: read model-free as a {arch.name} checkpoint (names by "
+                  "gguf-py's table, llama.cpp's q/k row order and expert stacks undone)")
+        else:
+            print(f"note: a {arch.gguf_architecture} GGUF: read by llmq's {arch.name} model code (its GGUF import), "
+                  f"as {arch.target} does")
         return arch
     if not os.path.isdir(checkpoint):
         raise UsageError(f"--checkpoint {checkpoint}: {'no such folder' if not os.path.exists(checkpoint) else 'not a folder or a .gguf file'}; "

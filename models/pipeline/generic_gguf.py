@@ -346,7 +346,104 @@ def gguf_export(hf_config: Dict[str, Any], names: Iterable[str]) -> Tuple[Option
     llama3 = _rope(hf_config)["rope_type"] == "llama3"
     module = types.SimpleNamespace(
         GGUF_ARCH=gguf.MODEL_ARCH_NAMES[arch], GGUFConverter=converter, family=family,
+        hf_config_from_gguf=hf_config_from_gguf,
         gguf_metadata=lambda _hf_config, _config: dict(keys),
         gguf_extra_tensors=lambda _hf_config, _config: (
             {"rope_freqs.weight": llama3_rope_factors(hf_config)} if llama3 else {}))
     return module, ""
+
+
+# ---- reading such a GGUF back as the checkpoint it came from (a .gguf --checkpoint of these architectures) ----
+
+_ATTENTION = ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
+              "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+              "self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
+_DENSE = ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
+_QK_NORM = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
+# transformers' names of each model_type's tensors (per layer; {E}: an expert), the names llama.cpp's converter reads
+LAYER_TENSORS = {
+    "llama": _ATTENTION + _DENSE,
+    "mixtral": _ATTENTION + ("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{E}.w1.weight",
+                             "block_sparse_moe.experts.{E}.w2.weight", "block_sparse_moe.experts.{E}.w3.weight"),
+    "qwen2": _ATTENTION + _DENSE,
+    "qwen3": _ATTENTION + _QK_NORM + _DENSE,
+    "qwen3_moe": _ATTENTION + _QK_NORM + ("mlp.gate.weight", "mlp.experts.{E}.gate_proj.weight",
+                                          "mlp.experts.{E}.up_proj.weight", "mlp.experts.{E}.down_proj.weight"),
+}
+_TOP = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
+_CLASS = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+          "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe")  # general.architecture values read back
+
+
+def _model_type(gguf_arch: Any, names: Iterable[str]) -> str:
+    if gguf_arch == "llama":
+        return "mixtral" if any(n.endswith(".ffn_gate_exps.weight") for n in names) else "llama"
+    return {"qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}[gguf_arch]
+
+
+def hf_shapes(gguf_arch: str, shapes: Dict[str, Tuple[int, ...]]) -> Dict[str, Tuple[int, ...]]:
+    """{transformers name: shape} of a GGUF's tensors ({GGUF name: torch-order shape}): gguf-py's table over the
+    model_type's names, each expert stack as its per-expert matrices; ValueError naming a tensor it has no
+    name for (e.g. llama3 RoPE's rope_freqs, which is no checkpoint tensor)."""
+    import gguf
+
+    from models.common.keymap import block_template
+
+    model_type = _model_type(gguf_arch, shapes)
+    family = FAMILIES[model_type]
+    templates = [t for t in _TOP] + [f"model.layers.{{L}}.{t}" for t in LAYER_TENSORS[model_type]]
+    per_expert = {_template(t.replace("{E}", "0")): t for t in templates if "{E}" in t}
+    table = gguf_to_hf_table(gguf.MODEL_ARCH[family.arch], [_template(t.replace("{E}", "0")) for t in templates])
+    out: Dict[str, Tuple[int, ...]] = {}
+    for name, shape in shapes.items():
+        layer, template = block_template(name)
+        hf = table.get(template)
+        if hf is None:
+            raise ValueError(f"GGUF tensor {name!r} has no {model_type} checkpoint name (model-free reading of a "
+                             f"{gguf_arch} GGUF knows {', '.join(sorted(table))})")
+        if hf in per_expert:
+            out.update({per_expert[hf].format(L=layer, E=e): tuple(shape[1:]) for e in range(shape[0])})
+        else:
+            out[hf.format(L=layer)] = tuple(shape)
+    return out
+
+
+def hf_config_from_gguf(metadata: Dict[str, Any], tensors) -> Dict[str, Any]:
+    """The config.json of a GGUF this module's export writes (the inverse of `metadata`), from its keys and
+    tensor shapes (gguf_input.GGUFTensors); ValueError naming what it cannot rebuild."""
+    from models.pipeline.gguf_input import Metadata
+
+    arch = metadata.get("general.architecture")
+    model_type = _model_type(arch, tensors.shapes)
+    m = Metadata(metadata, arch, tensors)
+    if m.has("rope.scaling.type") or "rope_freqs.weight" in tensors.shapes:
+        raise ValueError("GGUF with RoPE scaling (rope.scaling.type or rope_freqs): not read back model-free")
+    heads = m.dim_per_layer("attention.head_count")
+    hidden = m.dim("embedding_length")
+    head_dim = m.dim("attention.key_length", hidden // heads)
+    if m.dim("attention.value_length", head_dim) != head_dim:
+        raise ValueError("GGUF attention.value_length != key_length has no transformers config here")
+    config: Dict[str, Any] = {
+        "model_type": model_type, "architectures": [_CLASS[model_type]], "vocab_size": m.vocab_size(),
+        "hidden_size": hidden, "num_hidden_layers": m.layers(), "num_attention_heads": heads,
+        "num_key_value_heads": m.dim_per_layer("attention.head_count_kv") if m.has("attention.head_count_kv")
+        else heads, "head_dim": head_dim, "rms_norm_eps": m.number("attention.layer_norm_rms_epsilon", hi=1.0),
+        "max_position_embeddings": m.count("context_length", 4096),
+        "tie_word_embeddings": "output.weight" not in tensors.shapes,
+        "rope_parameters": {"rope_type": "default", "rope_theta": m.number("rope.freq_base", 10000.0, lo_open=True)},
+    }
+    if m.has("feed_forward_length"):
+        config["intermediate_size"] = m.dim("feed_forward_length")
+    if FAMILIES[model_type].moe:
+        experts = m.dim("expert_count")
+        config["num_local_experts"] = experts
+        config["num_experts_per_tok"] = m.count("expert_used_count", hi=experts, why=" (expert_count)")
+    if model_type == "qwen3_moe":
+        config.update(num_experts=config["num_local_experts"], norm_topk_prob=True, decoder_sparse_step=1,
+                      mlp_only_layers=[], moe_intermediate_size=m.dim("expert_feed_forward_length"))
+    for key in ("bos", "eos"):
+        token = m.token_id(f"tokenizer.ggml.{key}_token_id", config["vocab_size"])
+        if token is not None:
+            config[f"{key}_token_id"] = token
+    return config

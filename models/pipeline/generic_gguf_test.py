@@ -254,3 +254,28 @@ def test_gguf_input_goes_out_as_it_came_in(tmp_path):
     assert after.fields["general.file_type"].contents() == int(gguf.LlamaFileType.MOSTLY_Q4_0)
     assert [t.name for t in after.tensors] == [t.name for t in before.tensors]
     assert {t.name: t.tensor_type.name for t in after.tensors}["blk.0.attn_q.weight"] == "Q4_0"
+
+
+@pytest.mark.parametrize("model_type", sorted(CONFIGS))
+def test_llama_family_gguf_input_round_trips(written, model_type, tmp_path):
+    """A GGUF this export wrote, as //models:quantize's --checkpoint: read model-free (its config and names
+    rebuilt by gguf-py's table; the q/k row order and expert stacks undone), written again as GGUF: every key,
+    name, block type and value as in the input (its blocks are kept; its float tensors are norms and routers,
+    which the recipe keeps); --verify through transformers' class passes."""
+    from models.pipeline.generic import model_free_architecture
+
+    _, _, source, _ = written(model_type)
+    arch = model_free_architecture(source, "gguf")
+    assert arch.name == model_type if model_type != "mistral" else arch.name == "llama"  # one GGUF arch: llama
+    result = run(arch, checkpoint=source, recipe="int4", backend="gguf", out=str(tmp_path / "again"), resume=False,
+                 max_shard_size=1 << 30, verify=True, seed=0, progress=False)
+    assert result["verification_failure"] is None and result["tensor_errors"] == {}
+    before, after = gguf.GGUFReader(source), gguf.GGUFReader(str(tmp_path / "again" / "model.gguf"))
+    assert {k for k in after.fields if not k.startswith("GGUF.")} == {k for k in before.fields if not k.startswith(
+        "GGUF.")}
+    for key, field in before.fields.items():
+        if not key.startswith("GGUF."):
+            assert after.fields[key].contents() == field.contents(), key
+    assert [t.name for t in after.tensors] == [t.name for t in before.tensors]
+    for old, new in zip(before.tensors, after.tensors):
+        assert old.tensor_type == new.tensor_type and np.array_equal(old.data, new.data), old.name

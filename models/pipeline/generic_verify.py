@@ -47,7 +47,7 @@ def tensor_errors(reference: Iterator[Tuple[str, Any]], reloaded: Dict[str, Any]
             problems.append(f"{name}: missing from the output")
             continue
         got = _dense(reloaded[name])
-        want = original.float()
+        want = _dense(original)  # (a GGUF input's quantized blocks, dequantized exactly)
         if tuple(got.shape) != tuple(want.shape):
             problems.append(f"{name}: shape {list(got.shape)} in the output, {list(want.shape)} in the checkpoint")
             continue
@@ -96,7 +96,7 @@ def _model_check(arch, reference_stream, reloaded: Dict[str, Any], seed: int) ->
     config = arch.transformers_config
     prompt = verification_prompt(config.get_text_config().vocab_size, seed)
     _step(f"verify: transformers' model class for {arch.name}, the unquantized checkpoint streamed in")
-    model = load_streamed(empty_model(config), reference_stream())
+    model = load_streamed(empty_model(config), ((n, _dense(v)) for n, v in reference_stream()))
     cls = type(model).__name__
     ref = _logits(model, prompt)
     ref_tokens = _greedy(model, prompt, NEW_TOKENS)
