@@ -22,6 +22,10 @@ Qwen2Model, Qwen3Model, Qwen3MoeModel):
 
 Reading such a file back (--verify) is the same table the other way (``convert``: experts unstacked into the
 checkpoint's per-expert names, the permutation undone), through models/pipeline/gguf_input.py like any GGUF import.
+So is a .gguf --checkpoint of general.architecture llama, qwen2, qwen3 or qwen3moe (which no llmq model imports):
+``hf_config_from_gguf`` rebuilds its config.json from the keys, ``hf_shapes`` its transformers tensor names from
+gguf-py's table over the names transformers uses for the model_type (`LAYER_TENSORS`), and model-free
+quantization (models/pipeline/generic.py) runs on it as on the HF folder it came from.
 """
 
 from __future__ import annotations

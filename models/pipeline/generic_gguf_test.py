@@ -132,7 +132,7 @@ def test_gguf_reads_back_exactly_with_gguf_py(written, model_type):
         tuple(reversed([int(d) for d in t.shape])))) for t in reader.tensors}
     assert set(read) == set(names)
     permuted = arch == "llama"
-    for gguf_name, (kind, values) in read.items():
+    for gguf_name, (_, values) in read.items():
         for hf_name, expert in names[gguf_name]:
             value = ours[hf_name]
             want = (dequantize_canonical(value) if isinstance(value, GroupQuantizedWeight) else value.float()).numpy()
