@@ -178,8 +178,8 @@ LISTING = Architecture(name="any", tiny_hf_config=_no_model, config_from_hf=_no_
 
 def model_free_architecture(checkpoint: Optional[str], backend: str) -> Architecture:
     """The Architecture //models:quantize runs for `checkpoint`: a GGUF's registered architecture (llmq's
-    model code imports it), else the model-free one of an HF folder; a backend that needs model knowledge
-    is refused, one line, before any work."""
+    model code imports it), else the model-free one of an HF folder or a llama-family GGUF; a backend that
+    needs model knowledge is refused, one line, before any work."""
     import os
 
     from llmq.backend import backend_names, get_backend
@@ -196,20 +196,21 @@ def model_free_architecture(checkpoint: Optional[str], backend: str) -> Architec
         if not os.path.isfile(checkpoint):
             raise UsageError(f"--checkpoint {checkpoint}: no such file")
         arch = gguf_architecture(checkpoint)
-        if isinstance(arch, GenericArchitecture):
-            print(f"note: a {arch.gguf_architecture} GGUF: read model-free as a {arch.name} checkpoint (names by "
-                  "gguf-py's table, llama.cpp's q/k row order and expert stacks undone)")
-        else:
+        if not isinstance(arch, GenericArchitecture):
             print(f"note: a {arch.gguf_architecture} GGUF: read by llmq's {arch.name} model code (its GGUF import), "
                   f"as {arch.target} does")
-        return arch
-    if not os.path.isdir(checkpoint):
-        raise UsageError(f"--checkpoint {checkpoint}: {'no such folder' if not os.path.exists(checkpoint) else 'not a folder or a .gguf file'}; "
-                         f"{supported()}")
-    hf_config = read_hf_config(checkpoint)
-    if not isinstance(hf_config, dict):
-        raise UsageError(f"{checkpoint}/config.json: expected a JSON object")
-    arch = generic_architecture(checkpoint, hf_config)
+            return arch
+        read_as = (f"a {arch.gguf_architecture} GGUF, read model-free as a {arch.name} checkpoint (names by gguf-py's "
+                   "table, llama.cpp's q/k row order and expert stacks undone)")
+    else:
+        if not os.path.isdir(checkpoint):
+            raise UsageError(f"--checkpoint {checkpoint}: {'no such folder' if not os.path.exists(checkpoint) else 'not a folder or a .gguf file'}; "
+                             f"{supported()}")
+        hf_config = read_hf_config(checkpoint)
+        if not isinstance(hf_config, dict):
+            raise UsageError(f"{checkpoint}/config.json: expected a JSON object")
+        arch = generic_architecture(checkpoint, hf_config)
+        read_as = f"a {arch.name} checkpoint"
     why = arch.refuses(writer)
     if why:
         free = [n for n in backend_names() if not get_backend(n).needs_model]
@@ -217,5 +218,5 @@ def model_free_architecture(checkpoint: Optional[str], backend: str) -> Architec
                          + (f", and gguf for model_type {generic_gguf.supported()}" if backend != "gguf" else ""))
     own = (f"; llmq also has model code for it: bazel run {arch.own.target} (its MLX / GGUF / .pte outputs)"
            if arch.own is not None else "")
-    print(f"note: model-free quantization of a {arch.name} checkpoint: recipe rules over its tensor names{own}")
+    print(f"note: model-free quantization of {read_as}: recipe rules over its tensor names{own}")
     return arch

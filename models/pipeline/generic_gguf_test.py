@@ -263,8 +263,11 @@ def test_llama_family_gguf_input_round_trips(written, model_type, tmp_path):
     name, block type and value as in the input (its blocks are kept; its float tensors are norms and routers,
     which the recipe keeps); --verify through transformers' class passes."""
     from models.pipeline.generic import model_free_architecture
+    from models.pipeline.usage_error import UsageError
 
     _, _, source, _ = written(model_type)
+    with pytest.raises(UsageError, match="--backend mlx: it needs model knowledge"):
+        model_free_architecture(source, "mlx")  # refused before any work, as for the HF folder
     arch = model_free_architecture(source, "gguf")
     assert arch.name == model_type if model_type != "mistral" else arch.name == "llama"  # one GGUF arch: llama
     result = run(arch, checkpoint=source, recipe="int4", backend="gguf", out=str(tmp_path / "again"), resume=False,
