@@ -128,18 +128,19 @@ def llama_perplexity(binary: str, model: str, text: str, ctx: int, chunks: int) 
 def _llama_perplexity(binary: str, model: str, text: str, ctx: int, chunks: int) -> float:
     """llama-perplexity's estimate after the last of min(chunks, windows in the text) windows, F32 KV cache. Its
     running estimates ("[N]ppl,") and its "Final estimate" come through llama.cpp's log thread, which may drop the
-    last lines at exit: a run whose output lacks window N is run again (at most 3 times)."""
+    last lines at exit: a run whose output has neither is run again (at most 5 times)."""
     windows = min(os.path.getsize(text) // ctx, chunks)  # the byte-level tokenizer: token id = byte
-    for _ in range(3):
+    for _ in range(5):
         proc = subprocess.run([binary, "-m", model, "-f", text, "-c", str(ctx), "-b", str(ctx), "-t", "2",
                                "--chunks", str(chunks), "-ctk", "f32", "-ctv", "f32"],
                               capture_output=True, text=True, timeout=600)
         if proc.returncode:
             raise RuntimeError(f"{binary} -m {model}: exit {proc.returncode}\n{proc.stderr[-3000:]}")
         found = dict(re.findall(r"\[(\d+)\]([0-9.]+|nan|inf),", proc.stdout))
-        if str(windows) in found:
-            return float(found[str(windows)])
-    raise RuntimeError(f"{binary} -m {model}: no estimate for window {windows} in three runs")
+        final = re.search(r"Final estimate: PPL = ([0-9.]+|nan|inf)", proc.stderr)
+        if str(windows) in found or final:
+            return float(found[str(windows)] if str(windows) in found else final.group(1))
+    raise RuntimeError(f"{binary} -m {model}: no estimate for window {windows} in five runs")
 
 
 @torch.no_grad()
