@@ -24,6 +24,7 @@ import importlib
 import os
 import tempfile
 import time
+from typing import Dict, List, Tuple
 
 import torch
 from absl import app, flags
@@ -36,12 +37,15 @@ from models.pipeline.quantized_model import QuantizedExperts, build_quantized_mo
 
 flags.DEFINE_string("arch", "gemma3", "Model package under models/: gemma3, gemma4 or qwen.")
 flags.DEFINE_integer("repeat", 3, "Rounds per side (best is reported).", lower_bound=1)
+# Varied real text: prose, code, a question, a list, French and Chinese, a fact.
 DEFAULT_PROMPTS = [
+    "Once upon a time, in a small village by the sea, there lived",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "Question: Why is the sky blue?\nAnswer:",
+    "Five fruits that are rich in vitamin C:\n1.",
+    "La Révolution française a commencé en 1789, lorsque",
+    "东京是日本的首都，也是",
     "The capital of France is",
-    "Once upon a time, in a small village by the sea,",
-    "To make a good cup of tea, you should",
-    "The three laws of motion state that",
-    "def fibonacci(n):",
 ]
 flags.DEFINE_multi_string("prompt", DEFAULT_PROMPTS, "Texts both sides continue greedily (where the checkpoint has a "
                           "tokenizer); repeat the flag for several.")
@@ -73,16 +77,20 @@ def _round(prefill, decode, prompt, tokens):
 
 
 @torch.no_grad()
-def _greedy(prefill, decode, ids, new_tokens: int, eos) -> list:
+def _greedy(prefill, decode, ids, new_tokens: int, eos) -> Tuple[List[int], List[torch.Tensor]]:
+    """Greedy tokens and, for each, the logits [V] it was chosen from."""
     logits, cache = prefill(torch.tensor([ids]))
-    out, position = [], len(ids)
+    out: List[int] = []
+    steps: List[torch.Tensor] = []
+    position = len(ids)
     for _ in range(new_tokens):
-        out.append(int(logits[0, -1].argmax()))
+        steps.append(logits[0, -1].detach().double().clone())
+        out.append(int(steps[-1].argmax()))
         if out[-1] in eos:
             break
         logits, cache = decode(torch.tensor([[out[-1]]]), torch.tensor(position, dtype=torch.long), tuple(cache))
         position += 1
-    return out
+    return out, steps
 
 
 @torch.no_grad()
@@ -98,20 +106,73 @@ def _forced_top1(prefill, decode, ids, tokens: list) -> list:
     return top
 
 
-def text_agreement(eager_steps, pte_steps, ids, new_tokens: int, eos) -> dict:
-    """Free-running greedy divergence and teacher-forced top-1 agreement of the .pte against eager llmq."""
-    eager = _greedy(*eager_steps, ids, new_tokens, eos)
-    pte = _greedy(*pte_steps, ids, new_tokens, eos)
+def logits_closeness(reference: torch.Tensor, other: torch.Tensor) -> Dict[str, float]:
+    """Cosine and max |difference| of two logit vectors [V], and max |reference| (the scale)."""
+    a, b = reference.double().flatten(), other.double().flatten()
+    return {"cosine": torch.nn.functional.cosine_similarity(a, b, dim=0).item(),
+            "max_diff": (a - b).abs().max().item(), "max_logit": a.abs().max().item()}
+
+
+def text_agreement(eager_steps, pte_steps, ids, new_tokens: int, eos, reference_steps=None) -> dict:
+    """The .pte against eager llmq on one prompt `ids`:
+
+    - free-running greedy: both continue `ids` for `new_tokens` tokens; "diverges_at" is the index of the first
+      generated token where they differ (None: identical);
+    - at that token (both sides have seen the same prefix), each side's margin for its own choice over the
+      other's: eager_margin = eager logit(eager's token) - eager logit(.pte's token) >= 0, pte_margin the same
+      for the .pte; "rank" is the .pte token's rank in eager's logits (1: eager's runner-up), and eager_top2
+      eager's top-1 minus top-2 logit;
+    - teacher-forced: the .pte fed eager's continuation; "top1" counts positions where its argmax is eager's token,
+      "forced_disagree_margins" are eager's top-2 margins (top-1 minus top-2 logit) where it is not;
+    - "first": logits_closeness of the first generated token's logits (the prefill's last position), eager vs .pte,
+      and with `reference_steps` (another implementation, e.g. torchao's eager 8da model) "first_reference"
+      (eager vs it) and "first_pte_reference" (it vs the .pte).
+    """
+    eager, eager_logits = _greedy(*eager_steps, ids, new_tokens, eos)
+    pte, pte_logits = _greedy(*pte_steps, ids, new_tokens, eos)
     diverges = next((i for i, (a, b) in enumerate(zip(eager, pte)) if a != b), None)
     if diverges is None and len(eager) != len(pte):
         diverges = min(len(eager), len(pte))
     forced = _forced_top1(*pte_steps, ids, eager)
-    return {"eager": eager, "pte": pte, "diverges_at": diverges,
-            "top1": sum(int(a == b) for a, b in zip(forced, eager)), "positions": len(eager)}
+    top2 = [float(torch.topk(x, 2).values.diff().neg()) for x in eager_logits]
+    result = {"eager": eager, "pte": pte, "diverges_at": diverges, "top1": sum(int(a == b) for a, b in zip(forced, eager)),
+              "positions": len(eager), "eager_top2": top2,
+              "forced_disagree_margins": [top2[i] for i, (a, b) in enumerate(zip(forced, eager)) if a != b],
+              "first": logits_closeness(eager_logits[0], pte_logits[0])}
+    if diverges is not None and diverges < min(len(eager), len(pte)):
+        e, p, a, b = eager_logits[diverges], pte_logits[diverges], eager[diverges], pte[diverges]
+        result.update(eager_margin=float(e[a] - e[b]), pte_margin=float(p[b] - p[a]),
+                      rank=int((e > e[b]).sum()), eager_top2_at=top2[diverges])
+    if reference_steps is not None:
+        with torch.no_grad():
+            ref_first = reference_steps[0](torch.tensor([ids]))[0][0, -1]
+        result["first_reference"] = logits_closeness(eager_logits[0], ref_first)
+        result["first_pte_reference"] = logits_closeness(ref_first, pte_logits[0])
+    return result
+
+
+AGREEMENT_HEADER = ("prompt", "greedy: same tokens", "margin at divergence (eager / .pte)", "teacher-forced top-1",
+                    "step 1: cosine", "step 1: max abs diff (max logit)", "torchao 8da eager vs eager / vs .pte")
+
+
+def agreement_row(label: str, a: dict, text_tokens: int) -> Tuple[str, ...]:
+    """One row of the agreement table for text_agreement's result `a`."""
+    same = a["positions"] if a["diverges_at"] is None else a["diverges_at"]
+    of = f"{same}/{text_tokens}" + (" (eos)" if a["positions"] < text_tokens and a["diverges_at"] is None else "")
+    margin = ("-" if "eager_margin" not in a else
+              f"{a['eager_margin']:.2f} / {a['pte_margin']:.2f} (rank {a['rank']})")
+    first = a["first"]
+    ref = "-"
+    if "first_reference" in a:
+        ref = (f"cos {a['first_reference']['cosine']:.4f}, {a['first_reference']['max_diff']:.2f} / "
+               f"cos {a['first_pte_reference']['cosine']:.5f}, {a['first_pte_reference']['max_diff']:.2f}")
+    return (label, of, margin, f"{a['top1']}/{a['positions']}", f"{first['cosine']:.4f}",
+            f"{first['max_diff']:.2f} ({first['max_logit']:.1f})", ref)
 
 
 def bench(arch_name: str, *, checkpoint, recipe, prompt_len: int, decode_tokens: int, max_seq_len: int, repeat: int,
-          out, reuse_pte: bool = False, texts: tuple = (), text_tokens: int = 32) -> list:
+          out, reuse_pte: bool = False, texts: tuple = (), text_tokens: int = 32) -> Tuple[list, list, list]:
+    """(speed table rows, agreement table rows (text_agreement per prompt), texts rows)."""
     arch = importlib.import_module(f"models.{arch_name}.architecture").ARCHITECTURE
     layout_module = importlib.import_module(f"models.{arch_name}.export_pt2")
     if prompt_len + decode_tokens > max_seq_len:
@@ -142,23 +203,31 @@ def bench(arch_name: str, *, checkpoint, recipe, prompt_len: int, decode_tokens:
                                                max_seq_len=max_seq_len, dynamic_prompt=layout_module.DYNAMIC_PROMPT,
                                                out_path=out)
         lower_s = time.perf_counter() - start
-    del model
     pte = export_pte.PteRunner(out, moe_kernel=counts["moe_op_blocks"] > 0)
-    text_rows = []
+    export_pte.to_8da(model)  # torchao's eager 8da numerics (already converted where this run exported)
+    reference_steps = (PrefillStep(model, layout), DecodeStep(model, layout))
+    agreement_rows, text_rows = [], []
     if texts and checkpoint is not None and has_tokenizer(checkpoint):
         tok = load_tokenizer(checkpoint)
         eos = {tok.eos_token_id} if tok.eos_token_id is not None else set()
+        agreement_rows.append(AGREEMENT_HEADER)
+        text_rows.append(("prompt", "", "greedy continuation"))
         top1 = positions = 0
         for text in texts:
             ids = tok.encode(text)
             if len(ids) + text_tokens > max_seq_len:
                 raise SystemExit(f"--prompt {text!r} ({len(ids)} tokens) + --text_tokens {text_tokens} exceeds --max_seq_len")
-            a = text_agreement(eager_steps, (pte.prefill, pte.decode), ids, text_tokens, eos)
+            a = text_agreement(eager_steps, (pte.prefill, pte.decode), ids, text_tokens, eos, reference_steps)
             top1, positions = top1 + a["top1"], positions + a["positions"]
-            where = "same tokens" if a["diverges_at"] is None else f"diverges at token {a['diverges_at'] + 1}"
-            text_rows += [(f"greedy: {text!r} ->", repr(tok.decode(a["eager"])), repr(tok.decode(a["pte"])), where),
-                          ("  teacher-forced top-1 (.pte = eager)", "", f"{a['top1']}/{a['positions']}", "")]
-        text_rows.append((f"teacher-forced top-1, {len(texts)} prompts", "", f"{top1}/{positions} = {top1 / positions:.3f}", ""))
+            label = repr(text if len(text) <= 32 else text[:29] + "...")
+            agreement_rows.append(agreement_row(label, a, text_tokens))
+            margins = a["forced_disagree_margins"]
+            text_rows += [(label, "eager llmq", repr(tok.decode(a["eager"]))), ("", ".pte", repr(tok.decode(a["pte"]))),
+                          ("", "eager top-1 - top-2 where teacher-forced .pte differs",
+                           ", ".join(f"{m:.2f}" for m in margins) or "-")]
+        agreement_rows.append((f"all {len(texts)} prompts", "", "", f"{top1}/{positions} = {top1 / positions:.3f}",
+                               "", "", ""))
+    del model
 
     best = {"eager": [float("inf")] * 2, "pte": [float("inf")] * 2}
     outputs = {}
@@ -186,20 +255,28 @@ def bench(arch_name: str, *, checkpoint, recipe, prompt_len: int, decode_tokens:
         ("8da linears / MoE op blocks", "", f"{counts['linears']} / {counts['moe_op_blocks']}", ""),
         ("prefill argmax agreement", "", f"{agree:.3f}", ""),
         ("max |logit diff| / max |logit|", "", f"{diff / scale:.2e} (max |logit| {scale:.2f})", ""),
-    ] + text_rows
+    ], agreement_rows, text_rows
 
 
 def main(argv):
     del argv
     export_pte.require_executorch()
-    rows = bench(FLAGS.arch, checkpoint=FLAGS.checkpoint, recipe=FLAGS.recipe, prompt_len=FLAGS.prompt_len,
-                 decode_tokens=FLAGS.decode_steps, max_seq_len=FLAGS.max_seq_len, repeat=FLAGS.repeat, out=FLAGS.out,
-                 reuse_pte=FLAGS.reuse_pte, texts=tuple(FLAGS.prompt), text_tokens=FLAGS.text_tokens)
+    tables = bench(FLAGS.arch, checkpoint=FLAGS.checkpoint, recipe=FLAGS.recipe, prompt_len=FLAGS.prompt_len,
+                   decode_tokens=FLAGS.decode_steps, max_seq_len=FLAGS.max_seq_len, repeat=FLAGS.repeat, out=FLAGS.out,
+                   reuse_pte=FLAGS.reuse_pte, texts=tuple(FLAGS.prompt), text_tokens=FLAGS.text_tokens)
     print(f"threads: torch {torch.get_num_threads()}; load average {os.getloadavg()[0]:.1f}; .pte {FLAGS.out or '(temporary)'}")
-    widths = [max(len(str(r[i])) for r in rows) for i in range(4)]
-    for r in rows:
-        print("| " + " | ".join(str(c).ljust(w) for c, w in zip(r, widths)) + " |")
+    for rows in tables:
+        print()
+        print(markdown_table(rows))
 
+
+def markdown_table(rows: List[Tuple]) -> str:
+    """Rows (the first is the header) as a Markdown table, columns padded."""
+    if not rows:
+        return ""
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
+    lines = ["| " + " | ".join(str(c).ljust(w) for c, w in zip(r, widths)) + " |" for r in rows]
+    return "\n".join(lines[:1] + ["|" + "|".join("-" * (w + 2) for w in widths) + "|"] + lines[1:])
 
 if __name__ == "__main__":
     app.run(main)
