@@ -81,3 +81,23 @@ def test_eos_stops_both_and_a_shorter_side_diverges_where_it_stops():
 def test_markdown_table_has_header_rule():
     text = bench_pte.markdown_table([("a", "bb"), ("ccc", "d")])
     assert text.splitlines() == ["| a   | bb |", "|-----|----|", "| ccc | d  |"]
+
+
+def test_dequantized_once_gives_the_same_outputs_and_restores():
+    from llmq.quant import QuantizedLinear
+    from llmq.quant.recipe import QuantConfig
+
+    g = torch.Generator().manual_seed(0)
+    layers = [torch.nn.Linear(64, 96), torch.nn.Linear(96, 32, bias=False)]
+    for lin in layers:
+        lin.weight.data = torch.randn(lin.weight.shape, generator=g)
+    model = torch.nn.Sequential(QuantizedLinear.from_linear(layers[0], QuantConfig(bits=4, group_size=32)),
+                                torch.nn.GELU(), QuantizedLinear.from_linear(layers[1], QuantConfig(bits=8)))
+    x = torch.randn(3, 64, generator=g)
+    before = model(x)
+    with bench_pte.dequantized_once(model):
+        assert all("_dequantized" in vars(m) for m in model if isinstance(m, QuantizedLinear))
+        assert torch.equal(model(x), before) and torch.equal(model(x), before)
+    assert not any("_dequantized" in vars(m) for m in model)
+    model[2].weight_scale.mul_(2)  # after exit the forward dequantizes again: a changed scale shows
+    assert not torch.equal(model(x), before)
