@@ -185,6 +185,9 @@ class GGUFConverter(TableConverter):
     KEY_MAP = staticmethod(keymap.hf_to_llmq_key)
     UNMAPPED = (f"the dense text stack's gguf-py {GGUF_ARCH.upper()} names are supported; MoE and per-layer-embedding "
                 f"tensors are not")
+    # GGUF tensors imported dequantized whatever their type (see undo): the recipe decides them
+    # (models/pipeline/size_estimate.py counts them so)
+    DEQUANTIZED = ("token_embd.weight",)
 
     def convert(self, name: str, value: Value) -> List[Tuple[str, Value]]:
         if name == ROPE_FREQS:

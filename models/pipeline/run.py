@@ -260,7 +260,8 @@ def run(arch: Architecture, *, checkpoint: Optional[str], recipe: Optional[str],
         ]
         if estimate is not None and hasattr(estimate, "bytes_out"):  # what was printed before the work
             rows.insert(rows.index(("time", f"{seconds:.2f} s")), ("bytes estimated", f"{estimate.bytes_out:,} "
-                                                                   "(before the run, from the headers)"))
+                                                                   "(before the run, from the headers: the tensors' bytes, "
+                                                                   "file headers and side files not counted)"))
         if tally.quantized_weights:
             rows.insert(rows.index(("time", f"{seconds:.2f} s")), ("quantized weights", (
                 f"{tally.quantized_bits / tally.quantized_weights:.4f} bits per weight as written "
@@ -339,18 +340,23 @@ def _estimate(arch: Architecture, config, checkpoint: str, from_gguf: bool, requ
         return None
     layers = arch.num_layers(config)
     blocks = from_gguf and not requantize_gguf
-    mine = size_estimate.for_backend(writer, recipe, tensors, layers, quantizable_module, job=job, gguf=blocks)
+    received = size_estimate.gguf_received(checkpoint, tensors, getattr(
+        getattr(arch.gguf_import, "GGUFConverter", None), "DEQUANTIZED", ())) if from_gguf else None
+    mine = size_estimate.for_backend(writer, recipe, tensors, layers, quantizable_module, job=job, gguf=blocks,
+                                     received=received)
     if not every_backend:
-        print(f"estimate (--backend {writer.name}): {mine.line() if hasattr(mine, 'line') else mine}", flush=True)
+        print(f"estimate (--backend {writer.name}): {mine.line() if hasattr(mine, 'line') else mine}"
+              + ("; the tensors' bytes: file headers and side files not counted" if hasattr(mine, "line") else ""),
+              flush=True)
         return mine
     rows = []
     for name in backend_names():
         other = get_backend(name)
         why = getattr(arch, "refuses", lambda w: "")(other)
         rows.append((name, f"not written: {why}" if why else mine if other is writer else size_estimate.for_backend(
-            other, recipe, tensors, layers, quantizable_module, gguf=blocks)))
+            other, recipe, tensors, layers, quantizable_module, gguf=blocks, received=received)))
     print(f"--dry_run: {checkpoint} with --recipe {job.recipe_name}, nothing written; estimated output "
-          "(tensors only, side files not counted):")
+          "(the tensors' bytes; file headers and side files not counted):")
     print(size_estimate.table(rows))
     return mine
 

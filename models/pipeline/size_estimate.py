@@ -2,9 +2,15 @@
 
 Each tensor of the input (names, shapes and stored types from its headers) is counted as the backend
 writes it: a tensor the recipe quantizes by the backend's Storage (codes, scales, per-tensor extras:
-llmq.quant.storage), a tensor a GGUF stores quantized by its own block class when the recipe gives it
-none (it keeps its size class), any other tensor at its stored width. Side files (config, tokenizer)
-are not counted. `--dry_run` prints the table for every backend and exits; a real run prints its
+llmq.quant.storage); a tensor a GGUF stores quantized, which the import keeps as it is, in its own
+block class (a GGUF writer: the same blocks; the others: the block's bits and group, with the scales in
+the backend's scale dtype, widened where the backend widens to hold the block's scales exactly:
+float16 for the blocks of 32, float32 for the K-quants); any other tensor at the width the run
+receives it in (a GGUF's float tensors and the tensors its import dequantizes, e.g. Gemma's
+embedding, in the import's one model dtype). The result is the bytes of the tensors the backend
+writes, exactly where shapes and formats determine them (a storage that needs values is measured on
+zeros); it leaves out file headers (safetensors JSON, GGUF header and metadata) and side files
+(config, tokenizer). `--dry_run` prints the table for every backend and exits; a real run prints its
 backend's line first.
 """
 
@@ -17,12 +23,17 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from llmq.quant import QuantConfig, quantize_weight
+from llmq.quant.storage import element_bits
 
 Shape = Tuple[int, ...]
 _STORED_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
 # A GGUF block type as the integer config of the same size class: (bits, group size).
 GGUF_CLASS = {"Q4_0": (4, 32), "Q4_1": (4, 32), "Q5_0": (5, 32), "Q5_1": (5, 32), "Q8_0": (8, 32),
               "Q2_K": (2, 16), "Q3_K": (3, 16), "Q4_K": (4, 32), "Q5_K": (5, 32), "Q6_K": (6, 16)}
+# The narrowest scale dtype that holds a block type's scales and biases exactly: float16 (d, m and
+# d x a power of two) for the blocks of 32; float32 for the K-quants, whose scales are a float16
+# super-scale times a 4- to 8-bit sub-scale (up to 19 significant bits).
+_GGUF_SCALES = {t: torch.float16 if not t.endswith("_K") else torch.float32 for t in GGUF_CLASS}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,23 +86,40 @@ def _bits(storage: Callable[[QuantConfig], Any], config: QuantConfig, shape: Sha
     return int(bits * rows // sample)
 
 
+def _kept_bits(storage: Callable[[QuantConfig], Any], block_type: str, shape: Shape, cache: Dict) -> int:
+    """Bits a backend writes for a GGUF block kept as it is (the canonical weight of its class)."""
+    bits, group = GGUF_CLASS[block_type]
+    config = QuantConfig(bits=bits, group_size=group, symmetric=False)
+    stored = storage(config)
+    if stored.tensors is None or not stored.widen_to:
+        return _bits(storage, config, shape, cache)
+    need = _GGUF_SCALES[block_type]
+    chain = (stored.scale_dtype,) + tuple(stored.widen_to)
+    dtype = next((d for d in chain if d in (need, torch.float32)), chain[-1])  # bfloat16 holds no float16
+    return sum(element_bits(d) * math.prod(s) for d, s in stored.tensors(dtype, tuple(shape)).values())
+
+
 def estimate(backend: str, tensors: Dict[str, Tuple[Shape, str]], config_of: Callable[[str], Optional[QuantConfig]],
-             storage: Callable[[QuantConfig], Any], accepts, *, gguf: bool) -> Estimate:
+             storage: Callable[[QuantConfig], Any], accepts, *, gguf: bool,
+             received: Optional[Dict[str, str]] = None) -> Estimate:
     """`tensors`: name -> (shape, stored type name); config_of(name) -> the recipe's config (or None).
-    gguf: the input's block-quantized tensors reach the backend as they are (counted in their class)."""
+    gguf: the input's block-quantized tensors reach the backend as they are (counted in their class).
+    received: name -> the type the run receives a tensor in where it is not the stored one (a GGUF's
+    import: its model dtype, and "F32" for the tensors it dequantizes)."""
     out = bytes_in = weights = qbits = 0
     cache: Dict = {}
     for name, (shape, stored) in tensors.items():
         numel = math.prod(shape)
         bytes_in += _stored_nbytes(stored, numel)
+        kind = (received or {}).get(name, stored)
         config = config_of(name) if len(shape) >= 2 else None
-        if gguf and stored in GGUF_CLASS:  # kept as the GGUF stores it, in its size class
+        if gguf and kind in GGUF_CLASS:  # kept as the GGUF stores it, in its size class
             if "int" not in accepts:  # a GGUF writer: the same blocks
-                b = _stored_nbytes(stored, numel) * 8
-                out, qbits, weights = out + b // 8, qbits + b, weights + numel
-                continue
-            bits, group = GGUF_CLASS[stored]
-            config = QuantConfig(bits=bits, group_size=group, symmetric=False)
+                b = _stored_nbytes(kind, numel) * 8
+            else:
+                b = _kept_bits(storage, kind, shape, cache)
+            out, qbits, weights = out + b // 8, qbits + b, weights + numel
+            continue
         if config is not None and config.format in accepts:
             try:
                 b = _bits(storage, config, shape, cache)
@@ -102,7 +130,7 @@ def estimate(backend: str, tensors: Dict[str, Tuple[Shape, str]], config_of: Cal
                 qbits += b
                 weights += numel
                 continue
-        out += numel * _STORED_BYTES.get(stored, 4)
+        out += numel * _STORED_BYTES.get(kind, 4)
     return Estimate(backend, out, bytes_in, weights, qbits)
 
 
@@ -138,8 +166,24 @@ def input_tensors(checkpoint: str, key_map, from_gguf: bool) -> Dict[str, Tuple[
     return {n: (tuple(s), types.get(n, "F32")) for n, s in shapes.items()}
 
 
+def gguf_received(checkpoint: str, tensors: Dict[str, Tuple[Shape, str]], dequantized=()) -> Dict[str, str]:
+    """name -> the type the run receives a GGUF's tensor in, where it differs from the stored one:
+    float tensors in the import's one model dtype (models.pipeline.gguf_input.model_dtype), and
+    `dequantized` (the GGUF names the model's import always dequantizes) as float32."""
+    from llmq.checkpoint.gguf_import import GGUFFile
+    from models.pipeline.gguf_input import model_dtype
+
+    with GGUFFile(checkpoint) as f:
+        dtype = model_dtype(f.tensors)
+    name = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}.get(dtype, "F32")
+    out = {n: name for n, (_, stored) in tensors.items() if stored in _STORED_BYTES and stored != name}
+    out.update({n: "F32" for n in dequantized if n in tensors})
+    return out
+
+
 def for_backend(writer, recipe, tensors: Dict[str, Tuple[Shape, str]], num_layers: int,
-                module_of: Callable[[str], Optional[str]], *, job=None, gguf: bool = False):
+                module_of: Callable[[str], Optional[str]], *, job=None, gguf: bool = False,
+                received: Optional[Dict[str, str]] = None):
     # gguf: a GGUF input whose blocks are kept (not --requantize_gguf)
     """The Estimate of `writer` for `recipe` (as loaded), or one line saying why it cannot write it."""
     from llmq.backend import storage_of, with_scale_dtypes
@@ -161,4 +205,5 @@ def for_backend(writer, recipe, tensors: Dict[str, Tuple[Shape, str]], num_layer
         return bound.get_config(module)
 
     # a backend that quantizes by itself gets a GGUF's blocks dequantized: the recipe decides them all
-    return estimate(writer.name, tensors, config_of, storage, writer.accepts_formats, gguf=gguf and not writer.takes_float)
+    return estimate(writer.name, tensors, config_of, storage, writer.accepts_formats,
+                    gguf=gguf and not writer.takes_float, received=received)

@@ -88,8 +88,9 @@ def mlx_storage(config: Any, scale_dtype: torch.dtype) -> Storage:
         bits = config.bits
         try:
             group = mlx_group_size_for(config.group_size_for(k), k)
-        except ValueError:  # an imported block MLX cannot hold: re-quantized as `_representable` does
+        except ValueError:  # an imported block MLX cannot hold: re-quantized as `_representable` does,
             bits, group = fallback_params(config.bits, config.group_size_for(k), k)
+            dtype = scale_dtype  # with scales chosen in the folder's scale dtype (never widened)
         return group_tensors(bits, group, code_dtype=torch.uint32)(dtype, shape)
 
     return Storage(scale_dtype=scale_dtype, tensors=tensors, widen_to=WIDER_SCALE_DTYPES)
