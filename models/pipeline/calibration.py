@@ -10,6 +10,20 @@ to SAMPLE_ROWS input rows (the error report's layer output error), with `hessian
 x x^T per linear (GPTQ), and per MoE block the tokens routed to each expert (an expert no token
 reaches has no statistics: it is quantized by its plain method, and the summary counts it).
 
+Which inputs each layer sees (--calibration_inputs): "float" (the default) runs the unquantized
+model, so layer i+1's statistics come from the float outputs of layers 0..i. "quantized" is the
+sequential form of GPTQ-class methods: as soon as layer i's statistics are in, its tensors are
+quantized as the run will write them (`layer_quantizer`: the recipe's rules through
+llmq.quant.stream.quantize_stream, with layer i's own statistics, so a gptq rule rounds against
+the H just measured) and the calibration text's hidden states are run again through the quantized
+layer i; those outputs are layer i+1's inputs. So every layer's statistics describe the inputs it
+meets in the quantized model, up to the layer itself: inside a layer the linears see the float
+layer's values (o_proj the float q/k/v's attention), and the embedding's rows enter float. The
+writing pass quantizes each layer again from the same tensors and the same statistics (the same
+result: every method is deterministic); the quantized layers are not kept, so memory stays one
+layer. With --budget_bits_per_weight the layers fed forward are rounded by --recipe's rules: the
+budget chooses its formats after calibration, from these statistics.
+
 The model runs layer by layer (models/pipeline/layerwise.py): one decoder layer in memory at a
 time, the embedding by the rows of the text's tokens. With an output folder, each layer's
 statistics and the hidden states leaving it are saved in ``<out>.calibration.partial/`` (a
@@ -23,7 +37,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -88,9 +102,37 @@ def read_tokens(path: str, tokenizer, limit: int):
     return torch.tensor(ids[:limit], dtype=torch.long)
 
 
+# quantize(i, tensors, statistics) -> layer i's tensors as the run writes them (model names; quantized
+# weights where the recipe quantizes), given its tensors as read and its calibration statistics.
+LayerQuantizer = Callable[[int, Dict[str, Any], Calibration], Dict[str, Any]]
+INPUTS = ("float", "quantized")  # --calibration_inputs
+
+
+def layer_quantizer(recipe, num_layers: int, *, as_float: Optional[Callable] = None) -> LayerQuantizer:
+    """The LayerQuantizer of a run's recipe: its tensors through quantize_stream (the writing pass's
+    own function, so the layer fed forward is the layer written) with the layer's statistics;
+    as_float(items) maps the input's quantized values to float first (--requantize_gguf)."""
+    from llmq.quant.row_blocks import RowBlocks
+    from llmq.quant.stream import quantize_stream
+    from models.pipeline.arch import quantizable_module
+
+    bound = recipe.bind(num_layers)
+
+    def quantize(index: int, tensors: Dict[str, Any], statistics: Calibration) -> Dict[str, Any]:
+        items = ((n, v.whole() if isinstance(v, RowBlocks) else v) for n, v in tensors.items())
+        if as_float is not None:
+            items = as_float(items)
+        return dict(quantize_stream(items, bound, module_of=quantizable_module, calibration=statistics))
+
+    return quantize
+
+
 def calibrate(arch: Architecture, config, source, text_path: str, tokens: int, *, out: Optional[str] = None,
-              hessians: bool = False, progress: bool = True) -> Calibration:
-    """Run the unquantized model on the first `tokens` tokens of the text; see the module docstring."""
+              hessians: bool = False, progress: bool = True, quantize: Optional[LayerQuantizer] = None,
+              quantized_by: str = "") -> Calibration:
+    """Run the model on the first `tokens` tokens of the text; see the module docstring. quantize: the
+    sequential form (each layer's outputs from its quantized tensors), `quantized_by` saying how (the
+    recipe: part of what a saved run must match to be resumed)."""
     try:
         tokenizer = load_tokenizer(tokenizer_source(source))
     except ValueError as e:
@@ -101,9 +143,10 @@ def calibrate(arch: Architecture, config, source, text_path: str, tokens: int, *
         raise UsageError(f"--calibration_text {text_path}: the tokenizer gives id {int(ids.max())}, outside the "
                          f"model's vocabulary of {vocab}")
     model = layerwise.from_input(arch, config, source)
-    saved = SavedCalibration.open(out, _fingerprint(source, text_path, ids, hessians)) if out else None
+    fingerprint = _fingerprint(source, text_path, ids, hessians, quantized_by if quantize is not None else "")
+    saved = SavedCalibration.open(out, fingerprint) if out else None
     try:
-        return calibrate_layerwise(model, ids, hessians=hessians, saved=saved, progress=progress)
+        return calibrate_layerwise(model, ids, hessians=hessians, saved=saved, progress=progress, quantize=quantize)
     finally:
         if saved is not None:
             saved.release()
@@ -112,9 +155,10 @@ def calibrate(arch: Architecture, config, source, text_path: str, tokens: int, *
 @torch.no_grad()
 def calibrate_layerwise(model: "layerwise.LayerwiseModel", ids: torch.Tensor, *, hessians: bool = False,
                         saved: Optional["SavedCalibration"] = None, progress: bool = True,
-                        stop_after: Optional[int] = None) -> Calibration:
+                        stop_after: Optional[int] = None, quantize: Optional[LayerQuantizer] = None) -> Calibration:
     """The statistics of `ids` (1-D token ids, run in windows of WINDOW) layer by layer; `saved`
-    resumes from and records to a work folder; stop_after=k stops after layer k (tests of resuming)."""
+    resumes from and records to a work folder; stop_after=k stops after layer k (tests of resuming);
+    quantize: the sequential form (module docstring), None: the float model throughout."""
     batches = list(token_batches(ids, WINDOW))
     stride = sample_stride(int(ids.numel()), SAMPLE_ROWS)
     pieces: List[Calibration] = []
@@ -128,6 +172,9 @@ def calibrate_layerwise(model: "layerwise.LayerwiseModel", ids: torch.Tensor, *,
     bar = Progress("calibration", model.num_layers + 1, "layers", enabled=progress, done=start)
     accumulators: Dict[int, CalibrationAccumulator] = {}
     experts: Dict[int, Dict[str, torch.Tensor]] = {}
+    finished: Dict[int, Calibration] = {}
+    if quantize is not None:
+        model.tensors.keep_last = True  # the layer's tensors, read to run it, are quantized next: not read twice
 
     def observe(i: int, layer: nn.Module):
         acc = accumulators[i] = CalibrationAccumulator(SAMPLE_ROWS, stride, hessians)
@@ -141,9 +188,18 @@ def calibrate_layerwise(model: "layerwise.LayerwiseModel", ids: torch.Tensor, *,
                 handles.append(module.register_forward_pre_hook(_count_routed(counts, prefix + name, module)))
         return handles
 
-    def after(i: int, out: List[torch.Tensor]) -> None:
+    def finish(i: int) -> Calibration:
         piece = accumulators.pop(i).calibration(int(ids.numel()))
         piece.expert_tokens.update(experts.pop(i))
+        return piece
+
+    def replace(i: int, layer: nn.Module) -> Optional[nn.Module]:
+        assert quantize is not None
+        piece = finished[i] = finish(i)
+        return model.build_layer(i, quantize(i, model.tensors.group(i), piece))
+
+    def after(i: int, out: List[torch.Tensor]) -> None:
+        piece = finished.pop(i) if i in finished else finish(i)
         pieces.append(piece)
         if saved is not None:
             saved.record(i, piece, out)
@@ -152,7 +208,8 @@ def calibrate_layerwise(model: "layerwise.LayerwiseModel", ids: torch.Tensor, *,
             raise _Stopped
 
     try:
-        hidden = layerwise.run_layers(model, hidden, start=start, observe=observe, after=after)
+        hidden = layerwise.run_layers(model, hidden, start=start, observe=observe, after=after,
+                                      replace=None if quantize is None else replace)
     except _Stopped:
         return merge(pieces, int(ids.numel()))
     # The head's input: the final norm of the last hidden states ("lm_head" is a linear like the others).
@@ -199,10 +256,11 @@ def unreached_experts(calibration: Calibration) -> Tuple[int, int]:
     return sum(int((c == 0).sum()) for c in counts), sum(int(c.numel()) for c in counts)
 
 
-def _fingerprint(source, text_path: str, ids: torch.Tensor, hessians: bool) -> Dict:
+def _fingerprint(source, text_path: str, ids: torch.Tensor, hessians: bool, quantized_by: str = "") -> Dict:
     return {"checkpoint": os.path.abspath(source.path), "checkpoint_bytes": int(source.size_bytes),
             "text": os.path.abspath(text_path), "tokens": hashlib.sha256(ids.numpy().tobytes()).hexdigest(),
-            "window": WINDOW, "sample_rows": SAMPLE_ROWS, "hessians": bool(hessians)}
+            "window": WINDOW, "sample_rows": SAMPLE_ROWS, "hessians": bool(hessians),
+            "inputs": hashlib.sha256(quantized_by.encode()).hexdigest() if quantized_by else "float"}
 
 
 CALIBRATION_SUFFIX = ".calibration"

@@ -87,6 +87,11 @@ flags.DEFINE_string("calibration_text", None, "A UTF-8 text file (not the text y
                     "weights the error that methods 'hqq' and 'search' and --budget_bits_per_weight minimise, and the error report "
                     "gains each layer's output error. Without it every method is calibration-free.")
 flags.DEFINE_integer("calibration_tokens", 512, "Tokens of --calibration_text to run.", lower_bound=2)
+flags.DEFINE_enum("calibration_inputs", "float", ["float", "quantized"], "What each layer sees while "
+                  "--calibration_text is run: 'float', the outputs of the unquantized layers before it; 'quantized', "
+                  "the outputs of the layers before it as the recipe quantizes them (the sequential form of GPTQ: "
+                  "each layer is quantized as soon as its statistics are measured, and the text goes on through the "
+                  "quantized layer).")
 flags.DEFINE_float("budget_bits_per_weight", None, "Choose per matrix among 3/4/5/6/8-bit integer formats "
                    "(--backend=gguf: its block types Q2_K .. Q8_0; rows not a multiple of 256 take Q4_0 .. Q8_0) so the "
                    "matrices the recipe quantizes fit this many bits per weight as --backend writes them (scales and biases "
@@ -147,7 +152,8 @@ def _main_with(resolve, listing: Architecture) -> None:
                 verify_warn_only=FLAGS.verify_warn_only, progress=progress,
                 error_report=_error_report_wanted(), calibration_text=_user_path(FLAGS.calibration_text),
                 calibration_tokens=FLAGS.calibration_tokens, budget_bits_per_weight=FLAGS.budget_bits_per_weight,
-                budget_method=FLAGS.budget_method, requantize_gguf=FLAGS.requantize_gguf, dry_run=FLAGS.dry_run)
+                budget_method=FLAGS.budget_method, requantize_gguf=FLAGS.requantize_gguf, dry_run=FLAGS.dry_run,
+                calibration_inputs=FLAGS.calibration_inputs)
         except (UsageError, CheckpointError, FileExistsError) as e:
             print(f"error: {cli_wording(str(e))}", file=sys.stderr)
             return 2
@@ -285,7 +291,7 @@ HELP_GROUPS = (
     ("input", ("checkpoint", "requantize_gguf", "seed")),
     ("output and backend", ("backend", "out", "max_shard_size", "resume")),
     ("recipe", ("recipe", "list_recipes", "dry_run", "budget_bits_per_weight", "budget_method")),
-    ("quality", ("calibration_text", "calibration_tokens", "error_report")),
+    ("quality", ("calibration_text", "calibration_tokens", "calibration_inputs", "error_report")),
     ("verification", ("verify", "verify_min_cosine", "verify_warn_only", "use_moe_quantized_op")),
 )
 

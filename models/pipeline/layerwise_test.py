@@ -5,7 +5,10 @@
 * calibration layer by layer (models/pipeline/calibration.calibrate_layerwise) gives the statistics
   of today's whole-model collect_calibration: importance, sampled rows and X^T X per linear;
 * interrupted after layer k, a rerun resumes from the work folder at layer k+1 with the same result;
-* the sequential option: a replaced layer's outputs are what the next layer sees.
+* the sequential option: a replaced layer's outputs are what the next layer sees;
+* sequential calibration (--calibration_inputs=quantized): layer 0's statistics are the float run's,
+  every later layer's differ, and layer j's X^T X is what the whole model with layers 0..j-1
+  quantized (as they were fed forward) and the rest float gives to collect_calibration.
 """
 
 from __future__ import annotations
@@ -16,11 +19,14 @@ import pytest
 import torch
 
 import models.architectures  # noqa: F401  (registers every architecture)
+from llmq.quant import QuantRecipe
 from llmq.quant.importance import collect_calibration, token_batches
+from llmq.quant.recipe import layer_index
 from models.common.loading import load_model
 from models.pipeline import calibration as calib, inputs, layerwise
 from models.pipeline.arch import registered_architectures
 from models.pipeline.default_model import write_default_checkpoint
+from models.pipeline.quantized_model import build_quantized_model
 
 ARCHS = {a.name: a for a in registered_architectures()}
 
@@ -136,3 +142,53 @@ def test_sequential_replace_feeds_next_layer(tiny):
     with model.layer(0) as layer0:
         zero_layer(0, layer0)
         assert torch.equal(seen[1][0], model.run_layer(layer0, hidden)[0])
+
+
+# int4 asymmetric gptq on every projection (a fused expert stack, which no nn.Linear computes with, falls
+# back to the rule's search fit: llmq.quant.stream.quantize_stream).
+GPTQ = QuantRecipe([{"pattern": r".*_proj", "config": {"bits": 4, "group_size": 16, "symmetric": False,
+                                                       "method": "gptq", "options": {"block_size": 8}}}])
+
+
+def test_sequential_calibration_feeds_each_layer_the_quantized_ones_before_it(tiny):
+    arch, source = tiny
+    config = source.config
+    layers = arch.num_layers(config)
+    ids = _ids(config, calib.WINDOW + 29, seed=2)
+    fed = {}
+    quantizer = calib.layer_quantizer(GPTQ, layers)
+
+    def quantize(i, tensors, statistics):
+        fed[i] = quantizer(i, tensors, statistics)
+        return fed[i]
+
+    plain = calib.calibrate_layerwise(layerwise.from_input(arch, config, source), ids, hessians=True, progress=False)
+    seq = calib.calibrate_layerwise(layerwise.from_input(arch, config, source), ids, hessians=True, progress=False,
+                                    quantize=quantize)
+    assert sorted(fed) == list(range(layers))
+    assert sorted(seq.hessians) == sorted(plain.hessians)
+    assert any(not isinstance(v, torch.Tensor) for v in fed[0].values())  # the layer fed forward is quantized
+    differ = 0
+    for name, h in plain.hessians.items():
+        i = layer_index(name)
+        if i == 0:  # the embedding's rows enter layer 0 float either way
+            torch.testing.assert_close(seq.hessians[name], h, rtol=0, atol=0, msg=name)
+        elif i is not None:
+            differ += not torch.allclose(seq.hessians[name], h, rtol=1e-3, atol=1e-6)
+    assert differ == sum(1 for n in plain.hessians if layer_index(n) not in (0, None))  # every later linear moved
+    assert not torch.allclose(seq.hessians["lm_head"], plain.hessians["lm_head"], rtol=1e-3, atol=1e-6)
+
+    # Independently: the whole model, layers 0..j-1 as quantized and fed forward, the rest float.
+    tensors = dict(source.stream(None, None))
+    for j in sorted({1, layers - 1}):
+        mixed = dict(tensors)
+        for i in range(j):
+            mixed.update(fed[i])
+        whole = build_quantized_model(arch.build_model(config, device="meta"), mixed)
+        expected = collect_calibration(whole, token_batches(ids, calib.WINDOW), sample_rows=calib.SAMPLE_ROWS,
+                                       hessians=True)
+        names = [n for n in seq.hessians if layer_index(n) == j]
+        assert names
+        for n in names:
+            torch.testing.assert_close(seq.hessians[n], expected.hessians[n], rtol=1e-5, atol=1e-7, msg=n)
+            torch.testing.assert_close(seq.importance[n], expected.importance[n], rtol=1e-5, atol=1e-7, msg=n)

@@ -235,3 +235,61 @@ def test_gptq_rules_need_a_calibration_text_and_round_against_each_linears_input
         assert module in hessians, name
         want = quantize_weight(params[name], QuantConfig.from_dict(config), name=name, hessian=hessians[module])
         assert value.qdata.equal(want.qdata) and value.scale.equal(want.scale), name
+
+
+def test_calibration_inputs_quantized_rounds_each_layer_against_the_quantized_ones_before_it(tmp_path):
+    """--calibration_inputs=quantized (the sequential form): refused without a calibration text; with
+    one, layer 0's H is the float run's and a later layer's is not, and the bundle holds what
+    quantize_weight(..., hessian=) gives for the sequential run's H."""
+    import json
+
+    import torch
+
+    from llmq.quant import QuantConfig, quantize_weight
+    from llmq.quant.recipe import layer_index
+    from models.pipeline import calibration as calibration_module
+
+    recipe = tmp_path / "gptq.json"
+    config = {"bits": 4, "group_size": 32, "symmetric": False, "method": "gptq", "options": {"block_size": 16}}
+    recipe.write_text(json.dumps({"rules": [{"pattern": r".*_proj", "config": config}]}))
+    with pytest.raises(UsageError, match=r"^--calibration_inputs=quantized feeds each calibration layer the outputs "
+                                         r"of the quantized layers before it: pass --calibration_text=FILE$"):
+        _run(tmp_path, "refused", calibration_inputs="quantized")
+    text = tmp_path / "calibration.txt"
+    text.write_text(TEXT)
+    seen = []
+    real = calibration_module.calibrate_layerwise
+
+    def spy(model, ids, **kw):
+        seen.append(real(model, ids, **kw))
+        return seen[-1]
+
+    calibration_module.calibrate_layerwise = spy
+    try:
+        runs = {inputs: _run(tmp_path, inputs, recipe=str(recipe), calibration_text=str(text), calibration_tokens=256,
+                             error_report=False, calibration_inputs=inputs) for inputs in ("float", "quantized")}
+    finally:
+        calibration_module.calibrate_layerwise = real
+    plain, seq = seen[0].hessians, seen[1].hessians
+    assert sorted(plain) == sorted(seq)
+    for module in plain:
+        if layer_index(module) == 0:
+            assert torch.equal(plain[module], seq[module]), module
+        elif layer_index(module) is not None:
+            assert not torch.allclose(plain[module], seq[module], rtol=1e-3, atol=1e-6), module
+    bundle = load_bundle(runs["quantized"]["bundle"])
+    floats = load_bundle(runs["float"]["bundle"])
+    torch.manual_seed(0)
+    model = GEMMA4.build_model(GEMMA4.config_from_hf(GEMMA4.tiny_hf_config()), device="cpu", dtype=torch.float32)
+    with torch.no_grad():
+        GEMMA4.prepare_default(model)
+    params = {n: t.detach().to(torch.bfloat16) for n, t in model.state_dict().items()}
+    quantized = {n: v for n, v in bundle.items() if isinstance(v, GroupQuantizedWeight)}
+    assert quantized
+    changed = 0
+    for name, value in quantized.items():
+        want = quantize_weight(params[name], QuantConfig.from_dict(config), name=name,
+                               hessian=seq[name[: -len(".weight")]])
+        assert value.qdata.equal(want.qdata) and value.scale.equal(want.scale), name
+        changed += not value.qdata.equal(floats[name].qdata)
+    assert changed  # the sequential form rounds some matrices differently

@@ -2,7 +2,8 @@
 
 Order: backend, recipe and input are checked, then the checkpoint's tensor names and shapes
 against the model built from its config (from the headers, before anything is written), then
-(optional) --calibration_text runs the unquantized model on a text (models/pipeline/calibration.py)
+(optional) --calibration_text runs the unquantized model on a text (models/pipeline/calibration.py;
+with --calibration_inputs=quantized each layer is quantized once measured and its outputs feed the next)
 and --budget_bits_per_weight replaces the recipe by the chosen one (models/pipeline/size_budget.py),
 then the backend refuses what it cannot write (backend.check), then the stream is written (checked again
 item by item; the backend publishes the output only when the whole stream passed), then --verify
@@ -18,6 +19,7 @@ puts them in its work folder (WriteJob.add_files) before its one publish, so a f
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import shutil
@@ -46,7 +48,13 @@ from llmq.quant.row_blocks import QuantizedRowBlocks, RowBlocks
 from models.pipeline import gguf_input, inputs, verify as verification
 from models.pipeline.agreement import format_table
 from models.pipeline.arch import Architecture, quantizable_module
-from models.pipeline.calibration import calibrate, discard_saved, unreached_experts
+from models.pipeline.calibration import (
+    INPUTS as CALIBRATION_INPUTS,
+    calibrate,
+    discard_saved,
+    layer_quantizer,
+    unreached_experts,
+)
 from models.pipeline.checks import check_headers, check_stored_types, checked_stream, expected_tensors
 from models.pipeline.gguf_output import gguf_fields
 from models.pipeline.progress import Progress
@@ -99,7 +107,8 @@ def run(arch: Architecture, *, checkpoint: Optional[str], recipe: Optional[str],
         use_moe_op: bool = False, verify_min_cosine: Optional[float] = None, verify_warn_only: bool = False,
         error_report: bool = False, calibration_text: Optional[str] = None,
         calibration_tokens: int = 512, budget_bits_per_weight: Optional[float] = None,
-        budget_method: str = "hqq", requantize_gguf: bool = False, dry_run: bool = False) -> Dict:
+        budget_method: str = "hqq", requantize_gguf: bool = False, dry_run: bool = False,
+        calibration_inputs: str = "float") -> Dict:
     """The whole job; returns the numbers it printed (for tests)."""
     try:
         writer = get_backend(backend)
@@ -177,13 +186,26 @@ def run(arch: Architecture, *, checkpoint: Optional[str], recipe: Optional[str],
             what = f"--recipe rule {gptq_rule.pattern!r}" if gptq_rule is not None else "--budget_method=gptq"
             raise UsageError(f"{what} uses method 'gptq', which rounds against each layer's inputs: pass "
                              "--calibration_text=FILE")
+        if calibration_inputs not in CALIBRATION_INPUTS:
+            raise UsageError(f"--calibration_inputs: expected one of {', '.join(CALIBRATION_INPUTS)}, got "
+                             f"{calibration_inputs!r}")
+        sequential = calibration_inputs == "quantized"
+        if sequential and calibration_text is None:
+            raise UsageError("--calibration_inputs=quantized feeds each calibration layer the outputs of the quantized "
+                             "layers before it: pass --calibration_text=FILE")
         calibration = None
         if calibration_text is not None:
-            print(f"calibration: running the unquantized model on up to {calibration_tokens} tokens of "
-                  f"{calibration_text}", flush=True)
+            what = "model, each layer quantized once measured," if sequential else "unquantized model"
+            print(f"calibration: running the {what} on up to {calibration_tokens} tokens of {calibration_text}",
+                  flush=True)
             calibration_start = time.perf_counter()
+            quantize = None
+            if sequential:
+                quantize = layer_quantizer(quant_recipe, arch.num_layers(config),
+                                           as_float=_as_float if requantize_gguf and model_input.from_gguf else None)
             calibration = calibrate(arch, config, model_input, calibration_text, calibration_tokens, out=out,
-                                    hessians=gptq_rule is not None or budget_method == "gptq")
+                                    hessians=gptq_rule is not None or budget_method == "gptq", quantize=quantize,
+                                    quantized_by=json.dumps(quant_recipe.to_dict(), sort_keys=True, default=str))
             calibration_seconds = time.perf_counter() - calibration_start
         recipe_label = recipe_name
         budget = None
@@ -272,7 +294,8 @@ def run(arch: Architecture, *, checkpoint: Optional[str], recipe: Optional[str],
             discard_saved(out)  # the output is published: its saved calibration statistics are done with
             rows.append(("calibration", f"{calibration.tokens} tokens of {calibration_text}, "
                                         f"{len(calibration.importance)} linear layers, layer by layer in "
-                                        f"{calibration_seconds:.1f} s"))
+                                        f"{calibration_seconds:.1f} s" + (", each layer's inputs from the quantized "
+                                                                          "layers before it" if sequential else "")))
             unreached, experts = unreached_experts(calibration)
             if experts:
                 rows.append(("calibration experts", f"{experts - unreached} of {experts} routed experts reached by "
