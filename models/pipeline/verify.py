@@ -10,6 +10,13 @@ decoder layer of each in memory at a time (models/pipeline/layerwise.py), never 
 * round-to-nearest: the reference's weights rounded to nearest ("minmax") in the very formats the
   recipe chose for them, on the fly: what the same formats cost on this model with no method at all.
 
+The quantized model's and round-to-nearest's linears compute with the compiled integer kernel
+llmq::quantized_linear (llmq.ops.dense_op: INT4/INT8 in the MoE kernel's tiles, the activations
+rounded to int8 per row and weight group) where its library loads, instead of dequantizing every
+weight on every call (`quantized_linears`); both sides alike, so the rule below compares like with
+like. The reference always dequantizes exactly (a GGUF input's blocks). Where the library is absent
+(outside Bazel or the wheel) one line says so and every linear dequantizes.
+
 Numbers on the logits: cosine, SQNR, KL(reference || quantized) per token (mean and max), top-1
 agreement, for the quantized model and for round-to-nearest; the hidden states' SQNR after every
 layer (where an error enters). The rule (`verdict`): the output fails when its logits are not
@@ -33,15 +40,16 @@ to stderr; the step's time is in the summary.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
 
-from llmq.quant import QuantRecipe, dequantize, quantize_weight
+from llmq.quant import QuantRecipe, dequantize, modules, quantize_weight
 from llmq.quant.formats import get_format
 from llmq.quant.row_blocks import RowBlocks
 from models.common.generation import generate
@@ -116,6 +124,32 @@ def verdict(check: Dict, *, rtn: Optional[Dict] = None, layers: Optional[List[Di
     return None
 
 
+KERNEL_NOTE = ("note: verify: the compiled kernel llmq::quantized_linear (//cpp/moe:_moe_kernel.so) is not loadable "
+               "here; the quantized side dequantizes its weights on every call (slower; build it with Bazel or "
+               "install the wheel)")
+
+
+@contextlib.contextmanager
+def quantized_linears(use_kernel: bool = True) -> Iterator[str]:
+    """Inside, every QuantizedLinear computes with llmq::quantized_linear where the kernel takes its
+    weight (llmq.ops.install_dense_kernel) and the library loads (else KERNEL_NOTE is printed and
+    they dequantize); yields how they compute, one line. The kernel installed before is restored."""
+    old = modules.linear_kernel()
+    how = "dequantized weights on every call"
+    try:
+        if use_kernel:
+            from llmq.ops import dense_op
+
+            if dense_op.install_dense_kernel():
+                how = ("llmq::quantized_linear (compiled INT4/INT8 kernel, activations rounded to int8 per group; "
+                       "other formats dequantize)")
+            else:
+                print(KERNEL_NOTE, flush=True)
+        yield how
+    finally:
+        modules.set_linear_kernel(old)
+
+
 def _ratio(check: Dict, rtn: Dict) -> str:
     if rtn["noise"] == 0:
         return "above zero, unlike" if check["noise"] > 0 else "zero, like"
@@ -167,9 +201,10 @@ class LayerwiseLM(nn.Module):
             self.layers = states
             self.position = 0
 
-    def __init__(self, model: layerwise.LayerwiseModel):
+    def __init__(self, model: layerwise.LayerwiseModel, exact: bool = False):
         super().__init__()
         self.layerwise = model
+        self.exact = exact  # the reference: its quantized linears (a GGUF's blocks) dequantize, kernel or not
 
     def new_cache(self, batch_size: int = 1):
         return LayerwiseLM._Cache([layer.new_state() for layer in self.layerwise.skeleton.model.layers])
@@ -180,7 +215,7 @@ class LayerwiseLM(nn.Module):
         position = 0 if cache is None else cache.position
         hidden = model.embed([input_ids])
         for i in range(model.num_layers):
-            with model.layer(i) as layer:
+            with model.layer(i) as layer, (modules.reference_linears() if self.exact else contextlib.nullcontext()):
                 hidden = model.run_layer(layer, hidden, position, None if cache is None else [cache.layers[i]])
         if cache is not None:
             cache.position += input_ids.shape[1]
@@ -205,7 +240,7 @@ def compare_layerwise(reference: layerwise.LayerwiseModel, quantized: layerwise.
     per_layer = []
     for i in range(reference.num_layers):
         for k, m in enumerate(models):  # the reference first: round-to-nearest reuses its tensors (keep_last)
-            with m.layer(i) as layer:
+            with m.layer(i) as layer, (modules.reference_linears() if k == 0 else contextlib.nullcontext()):
                 hidden[k] = m.run_layer(layer, hidden[k])
         ref = hidden[0][0].double()
         noise, rtn_noise = _noise(ref, hidden[1][0]), _noise(ref, hidden[2][0])
@@ -230,11 +265,40 @@ def _db(signal: float, noise: float) -> float:
 
 def verify(arch: Architecture, config, model_input, backend, job, path: str, reference_stream: Callable, *,
            recipe: QuantRecipe, seed: int, min_cosine: Optional[float] = None,
-           use_moe_op: bool = False, requantized_input: bool = False) -> Tuple[List[Tuple[str, str]], Dict, Optional[str]]:
+           use_moe_op: bool = False, requantized_input: bool = False,
+           use_kernel: bool = True) -> Tuple[List[Tuple[str, str]], Dict, Optional[str]]:
     """(summary rows, numbers, failure or None). requantized_input: the run quantized a GGUF input's blocks
     again (--requantize_gguf, or a backend that quantizes float tensors itself), so round-to-nearest
-    rounds their dequantized values too instead of keeping them."""
+    rounds their dequantized values too instead of keeping them. use_kernel: the quantized linears of the
+    layer-by-layer comparison and the greedy tokens compute with the compiled kernel where it loads
+    (`quantized_linears`); False: they dequantize (the reference path, e.g. to time the difference)."""
     start = time.perf_counter()
+    with quantized_linears(use_kernel) as linears:
+        rows, result, failure = _layerwise_checks(arch, config, model_input, backend, job, path, recipe=recipe,
+                                                  seed=seed, min_cosine=min_cosine,
+                                                  requantized_input=requantized_input)
+    rows.append(("quantized linears", linears))
+    size = model_input.size_bytes
+    whole = size <= WHOLE_MODEL_LIMIT_BYTES
+    if failure is None and (backend.checks_consumer or use_moe_op):
+        if not whole:
+            rows.append(("whole-model checks", f"not run: the checkpoint ({size / 2**30:.1f} GiB) is over "
+                                               f"{WHOLE_MODEL_LIMIT_BYTES / 2**30:.0f} GiB"))
+        else:
+            failure = _whole_model_checks(arch, config, backend, job, path, reference_stream, seed, use_moe_op, rows,
+                                          result)
+    seconds = time.perf_counter() - start
+    result["verify_seconds"] = seconds
+    result["quantized_linears"] = linears
+    rows.append(("verification", ("FAILED: " + failure if failure else pass_reason(result, result["rtn"])) +
+                 f" [{seconds:.1f} s]"))
+    return rows, result, failure
+
+
+def _layerwise_checks(arch: Architecture, config, model_input, backend, job, path: str, *, recipe: QuantRecipe,
+                      seed: int, min_cosine: Optional[float], requantized_input: bool
+                      ) -> Tuple[List[Tuple[str, str]], Dict, Optional[str]]:
+    """The checks that run layer by layer: the three models side by side, then greedy tokens and text."""
     num_layers = arch.num_layers(config)
     reference = layerwise.from_input(arch, config, model_input)
     reference.tensors.keep_last = True
@@ -267,7 +331,7 @@ def verify(arch: Architecture, config, model_input, backend, job, path: str, ref
     size = model_input.size_bytes
     if failure is None and size <= GREEDY_LIMIT_BYTES:
         step(f"verify: {GREEDY_TOKENS} greedy tokens from each model (layer by layer)")
-        ref_lm, q_lm = LayerwiseLM(reference), LayerwiseLM(quantized)
+        ref_lm, q_lm = LayerwiseLM(reference, exact=True), LayerwiseLM(quantized)
         reference.tensors.keep_last = False
         result["tokens_reference"] = generate(ref_lm, prompt, GREEDY_TOKENS)[0, VERIFY_TOKENS:].tolist()
         result["tokens_quantized"] = generate(q_lm, prompt, GREEDY_TOKENS)[0, VERIFY_TOKENS:].tolist()
@@ -285,18 +349,6 @@ def verify(arch: Architecture, config, model_input, backend, job, path: str, ref
     elif failure is None:
         rows.append(("greedy tokens", f"not run: the checkpoint ({size / 2**30:.1f} GiB) is over "
                                       f"{GREEDY_LIMIT_BYTES / 2**30:.0f} GiB (each token re-reads the model)"))
-    whole = size <= WHOLE_MODEL_LIMIT_BYTES
-    if failure is None and (backend.checks_consumer or use_moe_op):
-        if not whole:
-            rows.append(("whole-model checks", f"not run: the checkpoint ({size / 2**30:.1f} GiB) is over "
-                                               f"{WHOLE_MODEL_LIMIT_BYTES / 2**30:.0f} GiB"))
-        else:
-            failure = _whole_model_checks(arch, config, backend, job, path, reference_stream, seed, use_moe_op, rows,
-                                          result)
-    seconds = time.perf_counter() - start
-    result["verify_seconds"] = seconds
-    rows.append(("verification", ("FAILED: " + failure if failure else pass_reason(check, rtn)) +
-                 f" [{seconds:.1f} s]"))
     return rows, result, failure
 
 
