@@ -221,6 +221,44 @@ def gptq_variants(wanted: List[str]) -> List[str]:
     return [v for v in wanted if v in GPTQ_CONFIGS or v == "gptq-budget"]
 
 
+def sequential_gptq(architecture, config, tensors: Dict[str, torch.Tensor], names: List[str], ids: torch.Tensor,
+                    gptq_config, storage) -> Tuple[Dict[str, torch.Tensor], float]:
+    """Variant "gptq-seq": `gptq_config` on the projections with --calibration_inputs=quantized's
+    sequential calibration (models/pipeline/calibration.py, the pipeline's own code): layer by layer, each
+    layer rounded against the H its inputs give when the layers before it are already quantized, the
+    text then run on through the quantized layer. The layers fed forward are the variant (what
+    quantize_and_save writes); (dequantized weights, bits per weight as `storage` writes them)."""
+    from llmq.quant import QuantRecipe, dequantize
+    from models.pipeline import calibration, layerwise
+
+    config_here = dataclasses.replace(gptq_config, scale_dtype=storage(gptq_config).scale_dtype)
+    pattern = "|".join(n[: -len(".weight")].replace(".", r"\.") for n in names)
+    recipe = QuantRecipe([{"pattern": f"({pattern})", "config": config_here.to_dict()}])
+    skeleton = architecture.build_model(config, device="meta")
+    held = layerwise.LayerTensors(lambda only: ((n, v) for n, v in tensors.items() if only is None or only(n)),
+                                  selective=True, expected=layerwise.expected_groups(skeleton))
+    model = layerwise.LayerwiseModel(skeleton, held)
+    quantizer = calibration.layer_quantizer(recipe, config.num_hidden_layers)
+    out: Dict[str, torch.Tensor] = {}
+    bits = count = 0
+
+    def quantize(i, layer_tensors, statistics):
+        nonlocal bits, count
+        done = quantizer(i, layer_tensors, statistics)
+        for n in names:
+            if n in done:
+                out[n] = dequantize(done[n], torch.float32)
+                bits += storage(config_here).bits(tuple(tensors[n].shape), done[n])
+                count += tensors[n].numel()
+        return done
+
+    calibration.calibrate_layerwise(model, ids, hessians=True, progress=False, quantize=quantize)
+    missing = sorted(set(names) - set(out))
+    if missing:
+        raise SystemExit(f"error: gptq-seq: {len(missing)} projections not quantized, e.g. {missing[0]}")
+    return out, bits / count
+
+
 def compressed_tensors_variant(folder: str, names: List[str]) -> Tuple[Dict[str, torch.Tensor], float]:
     """The projections of a compressed-tensors "pack-quantized" integer folder (llm-compressor's output,
     e.g. its GPTQModifier), decoded here from the file: int32 words of LSB-first b-bit codes q_u =
@@ -307,7 +345,8 @@ def main(argv=None) -> int:
                         help="With --windows_from_kld: only its first N windows (0: all); llama-perplexity prints the "
                              "running mean KL after each window to compare with.")
     parser.add_argument("--variants", default="rtn,search,hqq,search-imatrix,imatrix,imatrix-g64,budget,budget-rel,int8",
-                        help="Comma-separated llmq variants to run (also gptq, gptq-noact, gptq-minmax, gptq-g32, gptq-budget).")
+                        help="Comma-separated llmq variants to run (also gptq, gptq-noact, gptq-minmax, gptq-g32, gptq-budget, "
+                             "gptq-seq: gptq's sequential form, --calibration_inputs=quantized).")
     parser.add_argument("--backend", default="mlx",
                         help="Count bits per weight as this backend writes them (and quantize with its scale dtype).")
     parser.add_argument("--budget_bits_per_weight", default="4.5",
@@ -418,6 +457,10 @@ def main(argv=None) -> int:
                                                                            method="hqq")
             variants[name], bpw[name] = llmq_variant(reference, names, lambda n, c=qconfig: c, storage,
                                                      importance={n: importance[n[: -len(".weight")]] for n in names})
+        elif name == "gptq-seq":  # gptq's sequential form: each layer's H from the quantized layers before it
+            variants[name], bpw[name] = sequential_gptq(ARCHITECTURE, config, reference, names,
+                                                        token_ids(args.calibration_text, args.calibration_tokens),
+                                                        GPTQ_CONFIGS["gptq"], storage)
         elif name in GPTQ_CONFIGS:  # error-compensating rounding against each layer's H (float inputs)
             variants[name], bpw[name] = llmq_variant(reference, names, lambda n, c=GPTQ_CONFIGS[name]: c, storage,
                                                      hessians=hessians)

@@ -142,3 +142,30 @@ def test_gguf_table_reads_bits_from_the_file_and_llama_perplexitys_numbers(tmp_p
     assert (r["mean_kl"], r["mean_kl_err"], r["ppl"], r["ppl_base"]) == (0.300689, 0.006243, 18.973258, 13.931814)
     assert abs(r["top1"] - 0.71716) < 1e-12
     assert running_kl(str(log), 1) == 0.30641 and running_kl(str(log), 2) == 0.31738
+
+
+def test_sequential_gptq_variant_rounds_later_layers_against_the_quantized_ones_before():
+    # gptq-seq: layer 0 meets the same (float) inputs as plain gptq's, so it rounds alike; layer 1's H
+    # comes from the quantized layer 0, so it rounds differently. The bits are the storage's count.
+    from llmq.quant.importance import collect_calibration, token_batches
+    from llmq.quant.storage import CANONICAL
+    from models.gemma3.quality_eval import sequential_gptq
+
+    config, tensors = _tiny()
+    names = projection_names(config)
+    ids = torch.randint(0, 96, (300,), generator=torch.Generator().manual_seed(4))
+    gptq = QuantConfig(bits=4, group_size=32, symmetric=False, method="gptq", options={"block_size": 16})
+    seq, bpw = sequential_gptq(ARCHITECTURE, config, tensors, names, ids, gptq, lambda c: CANONICAL)
+    assert sorted(seq) == sorted(names)
+    assert bpw == 4 + 2 * 32 / 32  # int4 codes, a float32 scale and bias per 32 weights
+    whole = build_quantized_model(ARCHITECTURE.build_model(config, device="meta"), {n: t.clone() for n, t in tensors.items()})
+    hessians = collect_calibration(whole, token_batches(ids, 512), sample_rows=0, hessians=True).hessians
+    moved = {}
+    for n in names:
+        plain = dequantize(quantize_weight(tensors[n], gptq, name=n, hessian=hessians[n[: -len(".weight")]]),
+                           torch.float32)
+        moved[n] = float((plain != seq[n]).double().mean())
+    layer0 = [moved[n] for n in names if ".layers.0." in n]
+    layer1 = [moved[n] for n in names if ".layers.1." in n]
+    assert max(layer0) < 0.01  # the same H up to float rounding (layer by layer vs the whole model)
+    assert min(layer1) > 0.05  # another H: other roundings
