@@ -4,7 +4,8 @@
         --recipe=int4 --requantize_gguf [--repeat=1]
 
 Runs quantize_and_save (bundle backend, --verify) on the checkpoint and times its verification step
-(`verify_seconds`: the layer-by-layer comparison of the three models, greedy tokens, the text check)
+(`verify_seconds`: the layer-by-layer comparison of the three models; with --greedy also the greedy
+tokens and the text check)
 with the quantized side's linears (and round-to-nearest's) through llmq::quantized_linear
 (models/pipeline/verify.py, `quantized_linears`) and, alternately, with use_kernel=False (every
 QuantizedLinear dequantizes its weight on every call). Best of --repeat rounds per side. Prints both
@@ -27,19 +28,23 @@ from models.pipeline.quantize_and_save import run
 
 flags.DEFINE_string("arch", "gemma3", "Model package under models/: gemma3, gemma4 or qwen.")
 flags.DEFINE_integer("repeat", 1, "Rounds per side (best is reported).", lower_bound=1)
+flags.DEFINE_boolean("greedy", False, "Also time the greedy tokens and the text check (each token re-reads every "
+                     "layer of both models from their files; default: the layer-by-layer comparison alone).")
 # --checkpoint, --recipe, --requantize_gguf are quantize_and_save's flags (models/pipeline/cli.py).
 FLAGS = flags.FLAGS
 
 
 def _once(arch, folder: str, name: str, use_kernel: bool):
-    real = verification.verify
+    real, limit = verification.verify, verification.GREEDY_LIMIT_BYTES
     verification.verify = functools.partial(real, use_kernel=use_kernel)
+    if not FLAGS.greedy:
+        verification.GREEDY_LIMIT_BYTES = -1
     try:
         return run(arch, checkpoint=FLAGS.checkpoint, recipe=FLAGS.recipe, backend="bundle",
                    out=os.path.join(folder, name), resume=False, max_shard_size=2 << 30, verify=True, seed=0,
                    progress=False, requantize_gguf=FLAGS.requantize_gguf)
     finally:
-        verification.verify = real
+        verification.verify, verification.GREEDY_LIMIT_BYTES = real, limit
 
 
 def main(argv) -> None:
