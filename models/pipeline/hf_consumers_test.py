@@ -9,6 +9,12 @@ Its logits are compared with the same model class holding llmq's dequantization 
 separates them (the consumer's dtype, bfloat16 for these configs): cosine >= 0.999. Where
 consumer_warnings names a known misread (ModelOpt FP8 codes taken as weights; compressed-tensors NVFP4
 MoE experts), the consumer really does disagree (cosine < 0.99), so the warning is true.
+
+compressed-tensors itself is the other consumer of the compressed-tensors folders: its model-free
+dequantizer (`convert_checkpoint` + `CompressedTensorsDequantizer`, in a `python -I` child) decompresses
+each folder, and every quantized module's weight equals llmq's read-back element by element: exactly
+where it decodes in float32 (int4, int8, fp8: the same formula), within two roundings of its bfloat16
+decode (2^-8 relative) for NVFP4.
 """
 
 import json
@@ -99,6 +105,43 @@ def test_transformers_runs_the_folder_as_written(arch, backend, recipe, checkpoi
         assert cosine >= SAME_WEIGHTS_MIN_COSINE, cosine
 
 
+CT_CASES = [(arch, recipe) for arch in (GEMMA3, GEMMA4, QWEN) for recipe in ("int4", "int8", "fp8", "nvfp4")]
+
+
+@pytest.mark.parametrize("arch,recipe", CT_CASES, ids=[f"{a.name}-{r}" for a, r in CT_CASES])
+def test_compressed_tensors_decompresses_the_folder_as_written(arch, recipe, checkpoints, tmp_path):
+    import compressed_tensors
+
+    from llmq_hf.backend import compare_decompressed
+
+    folder = run(arch, checkpoint=checkpoints[arch.name], recipe=recipe, backend="hf-compressed-tensors",
+                 out=str(tmp_path / "out"), resume=True, max_shard_size=1 << 20, verify=False, seed=0,
+                 progress=False)["bundle"]
+    got = run_consumer("compressed-tensors", folder)
+    assert got.ok and got.version == compressed_tensors.__version__, got.line()
+    quantized = read_export_modules(folder)
+    assert quantized and all(f"{m}.weight" in got.weights for m in quantized), sorted(got.weights)[:5]
+    compared = compare_decompressed(folder, got.weights)
+    assert compared["agrees"] and compared["modules"] == len(quantized), compared["problems"][:3]
+    if recipe == "nvfp4":  # bfloat16 decode: two roundings at most, and it does round
+        assert 0 < compared["worst"][1] <= 2.0 ** -8, compared["worst"]
+    else:
+        assert compared["worst"][1] == 0.0, compared["worst"]
+    # one element moved by more than the bound is named
+    name = f"{sorted(quantized)[0]}.weight"
+    moved = dict(got.weights)
+    moved[name] = moved[name].clone()
+    moved[name].view(-1)[7] += 2.0 ** -6 * moved[name].abs().max()
+    bad = compare_decompressed(folder, moved)
+    assert not bad["agrees"] and bad["problems"][0].startswith(f"{name}: element 7 decompressed to"), bad["problems"]
+
+
+def read_export_modules(folder):
+    from llmq.export import verify_export
+
+    return set(verify_export(folder).modules)
+
+
 def test_the_summary_names_the_consumer_tried_gemma3(tmp_path, checkpoints):
     """--verify runs transformers on the folder (a process without llmq) and its summary line says so."""
     result = run(GEMMA3, checkpoint=checkpoints[GEMMA3.name], recipe="nvfp4", backend="hf-compressed-tensors",
@@ -108,6 +151,11 @@ def test_the_summary_names_the_consumer_tried_gemma3(tmp_path, checkpoints):
     assert consumer["consumer"] == "transformers" and consumer["version"] == transformers.__version__
     assert consumer["ok"] and consumer["agrees"] and consumer["cosine"] >= SAME_WEIGHTS_MIN_COSINE
     assert len(consumer["tokens"]) == 8
+    import compressed_tensors
+
+    ct = result["compressed_tensors"]  # compressed-tensors' own dequantizer, tried too
+    assert ct["consumer"] == "compressed-tensors" and ct["version"] == compressed_tensors.__version__
+    assert ct["ok"] and ct["agrees"] and ct["modules"] > 0
 
 
 def _gguf_with_tokenizer(path):

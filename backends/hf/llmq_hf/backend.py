@@ -221,6 +221,12 @@ class HfExportBackend(Backend):
         line, tried = try_transformers(path, quantized, prompt)
         if self.style == "modelopt":
             line += "; vLLM, TensorRT-LLM: not tried"
+        else:
+            ct_line, ct = try_compressed_tensors(path)
+            line += f"; {ct_line}"
+            result["compressed_tensors"] = ct
+            if not ct["agrees"] and "failure" not in result:
+                result["failure"] = f"compressed-tensors decompresses {path} differently from llmq: {ct_line}"
         rows.append(("consumer", line))
         result["consumer"] = tried
         if tried.get("agrees") is False and not report.warnings and "failure" not in result:
@@ -251,6 +257,86 @@ def try_transformers(path: str, quantized, prompt: torch.Tensor) -> Tuple[str, D
     verdict = "agrees with" if numbers["agrees"] else "MISREADS the folder: differs from"
     return (f"{tried.line()} ({tried.details.get('dtype')}); logits cosine {cos:.4f} vs llmq's read-back, "
             f"{verdict} it"), numbers
+
+
+# The dtype compressed-tensors decodes a module's weight in, from its stored scale's safetensors dtype:
+# FP4 and MX weights (e4m3 / E8M0 scales) unpack to bfloat16 (compressors.nvfp4.helpers.unpack_fp4_from_uint8,
+# mx_utils), int and FP8 weights dequantize in their scale's dtype (quantization.lifecycle.forward.dequantize).
+_CT_DECODE_DTYPE = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                    "F8_E4M3": torch.bfloat16, "U8": torch.bfloat16}
+
+
+def decompression_bound(scale_dtype: str) -> float:
+    """How far (relative, per element) compressed-tensors' decompressed weight may lie from llmq's exact
+    read-back of the same tensors: 0 where it decodes in float32 (the same formula, one float32 rounding,
+    as llmq's read-back), else two roundings in its decode dtype (the scale's conversion and the product):
+    2u, u its unit roundoff (bfloat16 2^-9, float16 2^-11)."""
+    dtype = _CT_DECODE_DTYPE.get(scale_dtype, torch.bfloat16)
+    return 0.0 if dtype == torch.float32 else 2.0 * torch.finfo(dtype).eps / 2
+
+
+def compare_decompressed(path: str, theirs: Dict[str, torch.Tensor]) -> Dict[str, Any]:
+    """compressed-tensors' decompressed weights (float32) against llmq's read-back of the folder
+    (llmq.export.read_export: each module decoded exactly), element by element, each module within
+    decompression_bound of its scale dtype: {"modules", "agrees", "worst" (module, max |diff| / |ours|
+    relative to its bound), "problems"}."""
+    from safetensors import safe_open
+
+    from llmq.export import read_export, verify_export
+
+    quantized = set(verify_export(path).modules)
+    scale_dtypes: Dict[str, str] = {}
+    for f in sorted(os.listdir(path)):
+        if f.endswith(".safetensors"):
+            with safe_open(os.path.join(path, f), framework="pt") as st:
+                for name in st.keys():
+                    if name.endswith(".weight_scale"):
+                        scale_dtypes[name[: -len(".weight_scale")]] = st.get_slice(name).get_dtype()
+    problems: List[str] = []
+    worst: Tuple[str, float] = ("", 0.0)
+    checked = 0
+    for name, ours in read_export(path, torch.float32):
+        module = name[: -len(".weight")]
+        if not name.endswith(".weight") or module not in quantized:
+            continue
+        got = theirs.get(name)
+        if got is None or tuple(got.shape) != tuple(ours.shape):
+            problems.append(f"{name}: compressed-tensors gave {None if got is None else list(got.shape)}, "
+                            f"expected {list(ours.shape)}")
+            continue
+        bound = decompression_bound(scale_dtypes.get(module, "F32"))
+        diff = (got.float() - ours).abs()
+        excess = diff - bound * ours.abs()
+        if bool((excess > 0).any()):
+            i = int(excess.flatten().argmax())
+            problems.append(f"{name}: element {i} decompressed to {got.flatten()[i].item():.9g}, llmq reads "
+                            f"{ours.flatten()[i].item():.9g} (allowed relative difference {bound:.3g})")
+        rel = (diff / ours.abs().clamp_min(torch.finfo(torch.float32).tiny)).max().item()
+        if rel > worst[1]:
+            worst = (name, rel)
+        checked += 1
+    if checked != len(quantized):
+        problems.append(f"{len(quantized) - checked} quantized modules not checked")
+    return {"modules": checked, "agrees": not problems and checked > 0, "worst": worst, "problems": problems}
+
+
+def try_compressed_tensors(path: str) -> Tuple[str, Dict[str, Any]]:
+    """(summary text, numbers): compressed-tensors' own dequantizer on the folder, in a process without llmq,
+    its weights against llmq's read-back (compare_decompressed)."""
+    from llmq.consumer_run import run_consumer
+
+    tried = run_consumer("compressed-tensors", path)
+    numbers: Dict[str, Any] = {"consumer": "compressed-tensors", "version": tried.version, "ok": tried.ok,
+                               "error": tried.error, "agrees": False}
+    if not tried.ok:
+        return tried.line(), numbers
+    numbers.update(compare_decompressed(path, tried.weights))
+    name, rel = numbers["worst"]
+    if numbers["agrees"]:
+        detail = ("equal to llmq's read-back element by element" if rel == 0 else
+                  f"within its decode dtype's rounding of llmq's read-back (largest relative difference {rel:.2g})")
+        return f"{tried.line()}: {numbers['modules']} modules {detail}", numbers
+    return f"{tried.line()}, but DIFFERS from llmq's read-back: {numbers['problems'][0]}", numbers
 
 
 register_backend(HfExportBackend(
