@@ -7,8 +7,9 @@ and a greedy `generate`.
 Its logits are compared with the same model class holding llmq's dequantization of the folder
 (llmq.export.read_export, built here in the parent): the weights are the same, so only arithmetic
 separates them (the consumer's dtype, bfloat16 for these configs): cosine >= 0.999. Where
-consumer_warnings names a known misread (ModelOpt FP8 codes taken as weights; compressed-tensors NVFP4
-MoE experts), the consumer really does disagree (cosine < 0.99), so the warning is true.
+consumer_warnings names a known misread (ModelOpt FP8 codes taken as weights), the consumer really does
+disagree (cosine < 0.99), so the warning is true. compressed-tensors NVFP4 MoE experts carry global
+scale 1 (transformers drops theirs), so the Qwen3.5-MoE nvfp4 folder has no warning and must agree.
 
 compressed-tensors itself is the other consumer of the compressed-tensors folders: its model-free
 dequantizer (`convert_checkpoint` + `CompressedTensorsDequantizer`, in a `python -I` child) decompresses

@@ -103,6 +103,45 @@ def test_compressed_tensors_folder_verifies_through_transformers(tiny, tmp_path)
         assert json.load(f)["quantization_config"]["quant_method"] == "compressed-tensors"
 
 
+def test_moe_nvfp4_compressed_tensors_runs_in_transformers(tiny, tmp_path):
+    """Qwen3-MoE's compressed-tensors NVFP4 folder (generic target) runs in transformers as written: its
+    experts carry g = 1 (transformers decompresses fused experts without their weight_global_scale), so
+    transformers in a process without llmq gives the logits of the same model class on llmq's read-back
+    of the folder (bfloat16 arithmetic: cosine >= 0.999; a dropped global scale gives far less), and
+    compressed-tensors' own dequantizer agrees; no misread is warned of."""
+    from transformers import AutoModelForCausalLM
+
+    from llmq.consumer_run import run_consumer
+    from llmq.export import consumer_warnings, read_export
+    from llmq_hf.backend import try_compressed_tensors
+
+    folder, out = tiny("qwen3_moe"), str(tmp_path / "ct")
+    assert _run(folder, out, backend="hf-compressed-tensors", recipe="nvfp4")["verification_failure"] is None
+    assert consumer_warnings(out) == []
+    prompt = list(range(3, 19))
+    got = run_consumer("transformers", out, prompt, new_tokens=4)
+    assert got.ok, got.line()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+    decoded = dict(read_export(out, torch.bfloat16))
+    state = {}
+    for name, value in model.state_dict().items():  # the per-expert read-back stacked as transformers fuses it
+        prefix, _, proj = name.rpartition(".")
+        experts = range(value.shape[0])
+        if proj == "gate_up_proj":
+            state[name] = torch.stack([torch.cat([decoded[f"{prefix}.{e}.{p}.weight"] for p in ("gate_proj", "up_proj")])
+                                       for e in experts])
+        elif proj == "down_proj" and prefix.endswith("experts"):
+            state[name] = torch.stack([decoded[f"{prefix}.{e}.down_proj.weight"] for e in experts])
+        else:
+            state[name] = decoded.get(name, value)
+    model.load_state_dict(state, strict=False)
+    with torch.no_grad():
+        ours = model(torch.tensor([prompt])).logits[0].float()
+    cosine = torch.nn.functional.cosine_similarity(ours.double().flatten(), got.logits.double().flatten(), dim=0)
+    assert cosine.item() >= 0.999, cosine.item()
+    assert try_compressed_tensors(out)[1]["agrees"]
+
+
 def test_unknown_architecture_is_checked_per_tensor(tiny, tmp_path):
     """A model_type transformers has no class for: quantized all the same, verified tensor by tensor."""
     import shutil

@@ -207,9 +207,18 @@ def test_known_consumer_misreads_are_one_line_each(tmp_path):
     assert verify_export(mo_fp8).warnings == [warning]
     mo_mx, _ = _write(tmp_path, "mo_mx", lambda m: None if m.endswith(KEEP) else (MXFP8 if "down" in m else MXFP4), "modelopt")
     assert len(consumer_warnings(mo_mx)) == 1 and "raw MXFP8 codes" in consumer_warnings(mo_mx)[0]
+    # compressed-tensors NVFP4 experts carry g = 1 (transformers decompresses experts without their
+    # weight_global_scale): no misread to warn of; dense modules keep their amax global scale
     ct_nv_moe, _ = _write(tmp_path, "ct_nv_moe", nv, "compressed-tensors")
-    (warning,) = consumer_warnings(ct_nv_moe)
-    assert "experts" in warning and "ModelCompressor" in warning
+    assert consumer_warnings(ct_nv_moe) == []
+    tensors = {}
+    for f in os.listdir(ct_nv_moe):
+        if f.endswith(".safetensors"):
+            tensors.update(load_file(os.path.join(ct_nv_moe, f)))
+    globals_ = {n: t for n, t in tensors.items() if n.endswith(".weight_global_scale")}
+    experts = [n for n in globals_ if ".experts." in n]
+    assert experts and all(torch.equal(globals_[n], torch.ones_like(globals_[n])) for n in experts)
+    assert any(not torch.equal(t, torch.ones_like(t)) for n, t in globals_.items() if ".experts." not in n)
     assert consumer_warnings(_write(tmp_path, "ct_nv_dense", nv, "compressed-tensors", moe=False)[0]) == []
     assert consumer_warnings(_write(tmp_path, "ct_fp8", fp8, "compressed-tensors", moe=False)[0]) == []
 

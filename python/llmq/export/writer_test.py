@@ -81,9 +81,12 @@ def _source_weights(sd):
     return out
 
 
-def _canonical(module, w, sources, config):
+def _canonical(module, w, sources, config, style="modelopt"):
     """Our own canonical dequantization of the weight, with ModelOpt's sibling rule for the
-    NVFP4 global scale (max over q/k/v or over gate/up), computed here independently."""
+    NVFP4 global scale (max over q/k/v or over gate/up), computed here independently; compressed-tensors
+    MoE experts carry no global scale (g = 1: transformers drops theirs)."""
+    if config.format == "nvfp4" and style == "compressed-tensors" and ".experts." in module:
+        return dequantize(quantize_nvfp4(w, global_scale=torch.tensor(1.0)), torch.float32)
     if config.format == "nvfp4":
         parent, _, leaf = module.rpartition(".")
         group = (("q_proj", "k_proj", "v_proj") if leaf in ("q_proj", "k_proj", "v_proj")
@@ -124,7 +127,7 @@ def test_compressed_tensors_decompresses_our_folder_exactly(tiny_moe, tmp_path):
         local = {n[len(module) + 1 :]: t for n, t in tensors.items() if n.rsplit(".", 1)[0] == module}
         got = compressor.decompress(local, scheme)["weight"]
         config_ = mixed_recipe(module)
-        ours = _canonical(module, sources[module], sources, config_)
+        ours = _canonical(module, sources[module], sources, config_, "compressed-tensors")
         if config_.format == "nvfp4":
             # compressed-tensors divides by weight_global_scale = 1/g: within one float32
             # rounding of our value * (s * g); compare exactly against that formula.

@@ -6,13 +6,17 @@ registry entry.
 nibble); ``block_scale`` float8_e4m3fn [..., K/16]; ``global_scale`` float32 shape[:-2]
 (ModelOpt's ``weight_scale_2``): g = amax / (6*448), s = e4m3(clamp(block_amax / (6*g), 2**-9,
 448)), all-zero blocks s = 1.0, an all-zero tensor g = 1.0 (compressed-tensors stores 1/g as
-``weight_global_scale``). Dequantize is evaluated in the order every reader uses (ModelOpt, vLLM,
+``weight_global_scale``). A config's ``granularity`` says where the global scale comes from: "tensor"
+(default, the rule above) or "block" (block scales only: g = 1, s = e4m3(clamp(block_amax / 6, 2**-9,
+448)); what a consumer that stores no global scale holds exactly: MLX's nvfp4 mode, transformers'
+compressed-tensors MoE experts). Dequantize is evaluated in the order every reader uses (ModelOpt, vLLM,
 TensorRT-LLM): ``value * (float(s) * g)``, two float32 roundings, so the numbers equal theirs bit for bit.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any, Dict, Optional, Tuple
 
 import torch
@@ -35,6 +39,10 @@ from llmq.quant.formats.base import Format, Layout, RowQuantizer
 from llmq.quant.formats.hf_export import HFExport, ct_weights, scalar_shape
 
 BLOCK = 16
+# Where the global scale comes from (QuantConfig.granularity): the weight's amax, or none (g = 1).
+GRANULARITIES = ("tensor", "block")
+# A per-expert module of an HF MoE checkpoint (transformers fuses these into 3-D experts on load).
+_PER_EXPERT = re.compile(r"\.experts\.\d+\.")
 # Quantize this many elements at a time (bounded temporaries whatever the weight's size).
 _ROWS_ELEMENTS = 1 << 20
 
@@ -116,10 +124,27 @@ def dequantize_nvfp4(w: NVFP4Weight, dtype: torch.dtype = torch.float32) -> torc
     return out.to(dtype)
 
 
+def no_global_scale(w: torch.Tensor) -> torch.Tensor:
+    """The global scale of granularity "block": 1.0 (per expert for 3-D), the block scales alone."""
+    return torch.ones(tuple(w.shape[:-2]), dtype=torch.float32)
+
+
 def nvfp4_global_scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
     """ModelOpt's weight_scale_2 from a weight amax: amax / (6*448), 1.0 where amax == 0."""
     g = amax.float() / (FP4_E2M1_MAX * FP8_E4M3_MAX)
     return torch.where(g > 0, g, torch.ones_like(g))
+
+
+class _WithoutGranularity:
+    """A spec seen without its granularity (HFExport.normalize refuses one from other families)."""
+
+    def __init__(self, spec):
+        self._spec = spec
+
+    granularity = None
+
+    def __getattr__(self, name):
+        return getattr(self._spec, name)
 
 
 class NVFP4HFExport(HFExport):
@@ -171,7 +196,20 @@ class NVFP4HFExport(HFExport):
         return {"format": "nvfp4", "static_input_scale": algo == "NVFP4"} if algo in ("NVFP4", "W4A16_NVFP4") else None
 
     def needs_tensor_amax(self, spec) -> bool:
-        return True
+        return spec.granularity != "block"
+
+    def normalize(self, spec, where):
+        # the generic checks, but a granularity is this family's own field (where g comes from)
+        if spec.granularity not in (None,) + GRANULARITIES:
+            raise ValueError(f"{where}: nvfp4 granularity {spec.granularity!r} unknown; expected one of {GRANULARITIES}")
+        out = super().normalize(_WithoutGranularity(spec), where)
+        if spec.style == "compressed-tensors" and _PER_EXPERT.search(spec.module):
+            # transformers (5.x) decompresses fused MoE experts without their weight_global_scale
+            # (integrations/compressed_tensors.py: CompressedTensorsDequantize builds each expert's module
+            # from weight_packed, weight_scale and weight_shape only), so an expert is written with g = 1:
+            # its block scales alone give its values, read alike by every reader
+            out["granularity"] = "block"
+        return out
 
     def readback_rel_tolerance(self, spec) -> float:
         # compressed-tensors divides by the stored 1/g instead of multiplying by g: a few float32
@@ -184,19 +222,14 @@ class NVFP4HFExport(HFExport):
     def rel_rms_bound(self, spec) -> float:
         return 0.35
 
-    def known_misreads(self, fields, style, moe):
-        if style != "compressed-tensors" or not moe:
-            return ()
-        return ("transformers 5.x from_pretrained loads this compressed-tensors NVFP4 MoE folder without error but its experts "
-                "do not match the stored values and the outputs are wrong (docs/export.md, 'Consumers tried'); decompress it "
-                "with compressed-tensors' ModelCompressor or serve it with vLLM",)
-
     def input_scale(self, amax, spec):
         s = amax / (FP4_E2M1_MAX * FP8_E4M3_MAX)
         return 1.0 / s if spec.style == "compressed-tensors" else s
 
     def quantize(self, weight, spec, state):
-        return quantize_nvfp4(weight, name=f"{spec.module}.weight", global_scale=nvfp4_global_scale_from_amax(state.weight_amax))
+        g = (no_global_scale(weight) if spec.granularity == "block"
+             else nvfp4_global_scale_from_amax(state.weight_amax))
+        return quantize_nvfp4(weight, name=f"{spec.module}.weight", global_scale=g)
 
     def to_tensors(self, q, spec, state, dtype):
         g = q.global_scale
@@ -221,19 +254,25 @@ class NVFP4Format(Format):
     names = ("nvfp4",)
     container = NVFP4Weight
     hf_export = NVFP4HFExport()
-    config_fields = ("bits", "group_size")
+    config_fields = ("bits", "group_size", "granularity")
 
     def default_config(self, name: str) -> Dict[str, Any]:
-        return {"bits": 4, "group_size": BLOCK}
+        return {"bits": 4, "group_size": BLOCK, "granularity": "tensor"}
 
     def validate_config(self, config: Any) -> None:
         check_fixed(config, "nvfp4", 4, BLOCK)
+        if config.granularity not in GRANULARITIES:
+            raise ValueError(f"QuantConfig.granularity={config.granularity!r} does not apply to nvfp4; expected one of "
+                             f"{GRANULARITIES} (a global scale from the weight's amax, or block scales only)")
+
+    def describe(self, config: Any) -> str:
+        return f"nvfp4 g{BLOCK}" + (" block scales only" if config.granularity == "block" else "")
 
     def shape_problem(self, config: Any, shape: Tuple[int, ...]) -> Optional[str]:
         return None if shape[-1] % BLOCK == 0 else f"nvfp4 needs the input dimension K to be a multiple of {BLOCK}"
 
     def quantize(self, w: torch.Tensor, config: Any, *, name: str = "<tensor>") -> NVFP4Weight:
-        return quantize_nvfp4(w, name=name)
+        return quantize_nvfp4(w, name=name, global_scale=no_global_scale(w) if config.granularity == "block" else None)
 
     def dequantize(self, value: NVFP4Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize_nvfp4(value, dtype)
@@ -243,6 +282,9 @@ class NVFP4Format(Format):
         (nvfp4_global_scale_from_amax, what quantize_nvfp4 computes)."""
         if len(shape) != 2:
             return None
+        if config.granularity == "block":
+            return RowQuantizer(lambda block, amax: quantize_nvfp4(block, name=name, global_scale=no_global_scale(block)),
+                                needs_amax=False)
         return RowQuantizer(lambda block, amax: quantize_nvfp4(block, name=name,
                                                                   global_scale=nvfp4_global_scale_from_amax(amax)),
                             needs_amax=True)
