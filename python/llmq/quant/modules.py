@@ -129,6 +129,12 @@ class _QuantizedWeightMixin:
         self.register_buffer("weight_scale", torch.ones(n, g, dtype=torch.float32, device=device))
         self.register_buffer("weight_bias", torch.zeros(n, g, dtype=torch.float32, device=device))
 
+    def _apply(self, fn, *args, **kwargs):
+        # .float() / .to(dtype) / .half() change the dtype the module computes in, as a float weight's
+        # would (QuantizedEmbedding's output follows it: a float32 model then runs in float32 throughout)
+        self.weight_dtype = fn(torch.empty(0, dtype=self.weight_dtype)).dtype
+        return super()._apply(fn, *args, **kwargs)  # type: ignore[misc]
+
     def _set_quantized(self, qw: GroupQuantizedWeight) -> None:
         if len(qw.shape) != 2:
             raise ValueError(f"{type(self).__name__} needs a 2-D quantized weight, got shape {list(qw.shape)}")
