@@ -1,7 +1,8 @@
-"""MLX's FP modes: llmq's mxfp4 / mxfp8 weights written by the MLX backend are, through MLX's own
+"""MLX's FP modes: llmq's mxfp4 / mxfp8 weights, and nvfp4 quantized with global scale 1 (granularity
+"block": MLX's QuantizedLinear has no global scale), written by the MLX backend are, through MLX's own
 `mx.dequantize(..., mode=...)`, llmq's values element by element in float32; a tiny Llama folder
-with both modes loads with `mlx_lm.load` and its forward equals transformers' on llmq's dequantized
-weights; llmq's nvfp4 is refused in one line (MLX's QuantizedLinear has no global scale)."""
+with the modes loads with `mlx_lm.load` and its forward equals transformers' on llmq's dequantized
+weights; an nvfp4 weight with another global scale is refused in one line."""
 
 import json
 import os
@@ -56,15 +57,42 @@ def test_mx_dequantize_equals_llmq(fmt):
     assert layout == {"weight": (torch.uint32, tuple(m.weight.shape)), "scales": (torch.uint8, tuple(m.scales.shape))}
 
 
-def test_nvfp4_refused_in_one_line():
-    q = quantize_nvfp4(hard_weight((8, 64)))
+def test_nvfp4_block_scales_only_equal_llmq():
+    """MLX's nvfp4 (e4m3 scale per 16, no global scale) holds llmq's nvfp4 of granularity "block" exactly,
+    tiny and huge blocks included (block scales clamp to [2**-9, 448]: never zero, never NaN); on ordinary
+    weights MLX's own mx.quantize writes the same bytes."""
+    from llmq.quant import dequantize, quantize_weight
+
+    block = QuantConfig(format="nvfp4", granularity="block")
+    for w in (hard_weight((64, 256)), torch.randn(64, 256) * 0.02, torch.randn(4, 32, 64) * 0.01):
+        q = quantize_weight(w, block)
+        m = pack_mlx_fp(q, name="w")
+        assert m.mode == "nvfp4" and (m.bits, m.group_size) == (4, 16) and m.scales.dtype == torch.uint8
+        got = mx.dequantize(*(torch_to_mx(t) for t in (m.weight, m.scales)), group_size=16, bits=4, mode="nvfp4",
+                            dtype=mx.float32)
+        got, want = torch.from_numpy(np.array(got)), dequantize(q, torch.float32)
+        diff = (got != want) & ~(torch.isnan(got) & torch.isnan(want))
+        assert not diff.any(), f"{int(diff.sum())} elements differ, e.g. at {diff.nonzero()[0].tolist()}"
+        assert torch.isfinite(want).all() and (q.block_scale.float() > 0).all()
+        layout = mlx_storage(block, torch.bfloat16).layout(tuple(w.shape))
+        assert layout == {"weight": (torch.uint32, tuple(m.weight.shape)), "scales": (torch.uint8, tuple(m.scales.shape))}
+    w = torch.randn(64, 256) * 0.02  # MLX's own quantizer: the same codes and scale bytes
+    m = pack_mlx_fp(quantize_weight(w, block), name="w")
+    theirs = mx.quantize(torch_to_mx(w), mode="nvfp4")
+    assert np.array_equal(np.array(theirs[0]), m.weight.numpy()) and np.array_equal(np.array(theirs[1]), m.scales.numpy())
+
+
+def test_nvfp4_with_a_global_scale_refused_and_recipe_for_asks_for_none():
+    q = quantize_nvfp4(hard_weight((8, 64)))  # granularity "tensor": g = amax / 2688
     with pytest.raises(ValueError, match="no per-tensor global scale") as e:
         pack_mlx_fp(q, name="layers.0.q_proj.weight")
     assert "\n" not in str(e.value) and "layers.0.q_proj.weight" in str(e.value)
     recipe = QuantRecipe([QuantRule(r".*_proj", QuantConfig(format="nvfp4"))])
-    with pytest.raises(ValueError, match="nvfp4.*global scale"):
-        MlxBackend().recipe_for(recipe)
-    assert "nvfp4" not in MlxBackend.accepts_formats and {"mxfp4", "mxfp8"} <= set(MlxBackend.accepts_formats)
+    backend = MlxBackend()
+    (rule,) = backend.recipe_for(recipe).rules
+    assert rule.config == QuantConfig(format="nvfp4", granularity="block")
+    assert backend._regrouped == [r".*_proj: nvfp4 g16 -> nvfp4 g16 block scales only"]
+    assert {"mxfp4", "mxfp8", "nvfp4"} <= set(MlxBackend.accepts_formats)
 
 
 def test_tiny_llama_mxfp4_mxfp8_loads_and_runs(tmp_path):

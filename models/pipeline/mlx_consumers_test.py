@@ -4,6 +4,9 @@
   element llmq's canonical dequantization (what a bundle holds) of the effective recipe, the preset as
   the MLX backend stores it (MlxBackend.recipe_for: MLX groups from the start; the storage's 16-bit
   scales). The int8 presets' whole-row groups are the case that regrouping got wrong.
+- nvfp4 too (the generic nvfp4 preset, its FP8 embedding rule as int8 g32: MLX has no FP8 mode): MLX's
+  nvfp4 mode stores no global scale, so the MLX backend quantizes nvfp4 with granularity "block" (global
+  scale 1, e4m3 block scales over block amax / 6), and mx.dequantize(mode="nvfp4") equals it exactly.
 - run as written: `mlx_lm.load` + a forward + greedy `generate` in a `python -I` child process in which
   llmq cannot be imported (llmq.consumer_run); its logits equal llmq's float32 quantized model's within
   the arithmetic of the same weights: mlx-lm computes in the scales' bfloat16 (unit roundoff 2^-9), which
@@ -34,7 +37,7 @@ pytest.importorskip("mlx_lm", reason="mlx-lm is not installed here")
 from llmq_mlx.mlx_lm_models import naming_for  # noqa: E402
 
 ARCHS = (GEMMA3, GEMMA4, QWEN)
-CASES = [(arch, preset) for arch in ARCHS for preset in arch.presets]
+CASES = [(arch, preset) for arch in ARCHS for preset in list(arch.presets) + ["nvfp4"]]
 PROMPT = list(range(3, 19))
 NEW_TOKENS = 4
 BF16_MIN_COSINE = 0.995  # same weights, mlx-lm's bfloat16 arithmetic (module docstring)
@@ -59,16 +62,34 @@ def _mlx_arrays(folder):
     return arrays
 
 
+def _recipe(arch, preset, tmp_path):
+    """(the recipe, what --recipe is given): the architecture's preset, or nvfp4 with int8 embeddings."""
+    if preset in arch.presets:
+        return arch.presets[preset], preset
+    import dataclasses
+
+    from llmq.quant import QuantRecipe
+    from llmq.quant.presets import INT8_G32, PRESETS
+
+    rules = [dataclasses.replace(r, config=INT8_G32) if r.config is not None and r.config.format == "fp8" else r
+             for r in PRESETS[preset].rules]
+    recipe = QuantRecipe(rules)
+    path = str(tmp_path / f"{preset}.json")
+    recipe.to_file(path)
+    return recipe, path
+
+
 @pytest.mark.parametrize("arch,preset", CASES, ids=[f"{a.name}-{p}" for a, p in CASES])
 def test_mlx_folder_holds_the_bundle_values_and_runs_in_mlx_lm(arch, preset, checkpoints, tmp_path):
     checkpoint = checkpoints[arch.name]
-    result = run(arch, checkpoint=checkpoint, recipe=preset, backend="mlx", out=str(tmp_path / "mlx"), resume=True,
+    recipe, recipe_arg = _recipe(arch, preset, tmp_path)
+    result = run(arch, checkpoint=checkpoint, recipe=recipe_arg, backend="mlx", out=str(tmp_path / "mlx"), resume=True,
                  max_shard_size=1 << 20, verify=False, seed=0, progress=False)
     folder = result["bundle"]
     hf_config = json.load(open(os.path.join(checkpoint, "config.json")))
     model_config = arch.config_from_hf(hf_config)
     backend = get_backend("mlx")
-    effective = with_scale_dtypes(backend.recipe_for(arch.presets[preset]), storage_of(backend, None))
+    effective = with_scale_dtypes(backend.recipe_for(recipe), storage_of(backend, None))
     bound = effective.bind(arch.num_layers(model_config))
     naming = naming_for(hf_config)
     arrays = _mlx_arrays(folder)
@@ -80,16 +101,24 @@ def test_mlx_folder_holds_the_bundle_values_and_runs_in_mlx_lm(arch, preset, che
         module = name[: -len(".weight")] if name.endswith(".weight") else name
         config = bound.get_config(module) if name.endswith(".weight") or "experts" in name else None
         q = quantize_weight(value, config, name=name) if config is not None else value
-        quantized_values[name] = q
+        # llmq's quantized model: every quantized weight as its exact float32 values (canonical dequantize)
+        quantized_values[name] = q if isinstance(q, torch.Tensor) else dequantize(q, torch.float32)
         for mlx_name, mlx_value in naming.mlx_tensors(name, q):
             if config is None:
                 continue
             mlx_module = mlx_name[: -len(".weight")] if mlx_name.endswith(".weight") else mlx_name
             params = quant.get(mlx_module, quant)
-            assert params and params["mode"] == "affine", mlx_module
-            w, s, b = (arrays[f"{mlx_module}.{r}"] for r in ("weight", "scales", "biases"))
-            got = mx.dequantize(w, s.astype(mx.float32), b.astype(mx.float32), group_size=params["group_size"],
-                                bits=params["bits"])
+            mode = params.get("mode", "affine")
+            assert mode == ("nvfp4" if config.format == "nvfp4" else "affine"), (mlx_module, mode)
+            if mode == "affine":
+                w, s, b = (arrays[f"{mlx_module}.{r}"] for r in ("weight", "scales", "biases"))
+                got = mx.dequantize(w, s.astype(mx.float32), b.astype(mx.float32), group_size=params["group_size"],
+                                    bits=params["bits"])
+            else:  # FP mode: uint8 scale bytes, no biases
+                assert f"{mlx_module}.biases" not in arrays, mlx_module
+                w, s = (arrays[f"{mlx_module}.{r}"] for r in ("weight", "scales"))
+                got = mx.dequantize(w, s, group_size=params["group_size"], bits=params["bits"], mode=mode,
+                                    dtype=mx.float32)
             want = dequantize(mlx_value, torch.float32)
             assert torch.equal(torch.from_numpy(np.array(got)), want), mlx_module
             checked += 1

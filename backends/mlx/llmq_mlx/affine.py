@@ -38,9 +38,11 @@ MLX_SCALE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FP_MODES = ("mxfp4", "mxfp8", "nvfp4")
 # MLX's FP modes: (bits, group_size), each mode has exactly one.
 FP_MODE_PARAMS = {"mxfp4": (4, 32), "mxfp8": (8, 32), "nvfp4": (4, 16)}
-# Why llmq's nvfp4 is not written: the one line a recipe asking for it gets.
-NVFP4_REFUSAL = ("MLX's nvfp4 QuantizedLinear holds e4m3 scales per 16 but no per-tensor global scale, and llmq's "
-                 "nvfp4 value is code * (e4m3 scale * global scale): not representable exactly; use mxfp4")
+# Why an nvfp4 weight with a global scale is not written (MLX's nvfp4 stores the block scales alone):
+# the one line such a weight gets. The MLX backend quantizes nvfp4 with granularity "block" (g = 1).
+NVFP4_GLOBAL_SCALE_REFUSAL = ("MLX's nvfp4 QuantizedLinear holds e4m3 scales per 16 but no per-tensor global "
+                              "scale, so an nvfp4 weight is written only with global scale 1 (QuantConfig "
+                              "granularity 'block', what --backend mlx quantizes nvfp4 with)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,20 +219,26 @@ def stack_experts(experts: Sequence[MLXQuantizedWeight]) -> MLXQuantizedWeight:
 
 
 def pack_mlx_fp(w, *, name: str = "weight") -> MLXQuantizedWeight:
-    """llmq's MX weight (llmq.quant.formats.mx.MXWeight) -> MLX "mxfp4" / "mxfp8", exactly.
+    """llmq's MX weight (llmq.quant.formats.mx.MXWeight) -> MLX "mxfp4" / "mxfp8", and llmq's NVFP4 weight
+    with global scale 1 (llmq.quant.formats.nvfp4, granularity "block") -> MLX "nvfp4", exactly.
 
     MLX stores the same bytes: E2M1 codes two per byte (element 2i in the low nibble) or e4m3 bytes,
-    read LSB-first as little-endian uint32 words, and the E8M0 exponent bytes (value 2**(e-127)) per
-    32 as uint8 `scales`, no biases; `mx.dequantize(..., mode=...)` gives llmq's value in float32.
-    llmq's nvfp4 is refused (NVFP4_REFUSAL); so is anything else.
+    read LSB-first as little-endian uint32 words, and the scale bytes per group as uint8 `scales`, no
+    biases: E8M0 exponents (value 2**(e-127)) per 32, or nvfp4's e4m3 block scales per 16;
+    `mx.dequantize(..., mode=...)` gives llmq's value in float32 (code * scale, exact). An nvfp4 weight
+    with any global scale other than 1 is refused (NVFP4_GLOBAL_SCALE_REFUSAL); so is anything else.
     """
     fmt = getattr(w, "format", None)
     if fmt == "nvfp4":
-        raise ValueError(f"{name}: {NVFP4_REFUSAL}")
-    if fmt not in ("mxfp4", "mxfp8"):
-        raise ValueError(f"{name}: MLX FP modes take llmq's mxfp4/mxfp8 weights, got {type(w).__name__}")
+        if not bool((w.global_scale == 1).all()):
+            raise ValueError(f"{name}: {NVFP4_GLOBAL_SCALE_REFUSAL}")
+        scales = w.block_scale.contiguous().view(torch.uint8)
+    elif fmt in ("mxfp4", "mxfp8"):
+        scales = w.scale_e8m0.contiguous()
+    else:
+        raise ValueError(f"{name}: MLX FP modes take llmq's mxfp4/mxfp8/nvfp4 weights, got {type(w).__name__}")
     bits, group = FP_MODE_PARAMS[fmt]
-    return MLXQuantizedWeight(weight=canonical_bytes_as_uint32(w.codes, name=name), scales=w.scale_e8m0.contiguous(),
+    return MLXQuantizedWeight(weight=canonical_bytes_as_uint32(w.codes, name=name), scales=scales,
                               biases=None, bits=bits, group_size=group, shape=tuple(w.shape), mode=fmt)
 
 

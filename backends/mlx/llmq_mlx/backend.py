@@ -20,6 +20,7 @@ from llmq.backend import Backend, BackendError, WriteJob, register_backend
 from llmq.checkpoint import TOKENIZER_FILES, side_files
 from llmq.quant import GroupQuantizedWeight
 from llmq.quant.storage import Storage, group_tensors
+from llmq_mlx.affine import FP_MODE_PARAMS
 from llmq_mlx.mlx_lm_models import naming_for
 
 Value = Union[torch.Tensor, GroupQuantizedWeight]
@@ -70,11 +71,10 @@ def mlx_storage(config: Any, scale_dtype: torch.dtype) -> Storage:
     scale and a bias per MLX group (the largest of 32/64/128 the canonical group repeats) in
     `scale_dtype`, for symmetric formats too; scales `scale_dtype` cannot hold exactly (a GGUF block
     imported as it is) in the first of float16, float32 that does (the writer's WIDER_SCALE_DTYPES)."""
-    from llmq_mlx.affine import FP_MODE_PARAMS
     from llmq_mlx.mlx_lm_writer import WIDER_SCALE_DTYPES
     from llmq_mlx.regroup import fallback_params, mlx_group_size_for
 
-    if config.format in ("mxfp4", "mxfp8"):  # MLX's mode of that name: uint32 code words, uint8 E8M0 per 32
+    if config.format in FP_MODE_PARAMS:  # MLX's mode of that name: uint32 code words, uint8 scale bytes per group
         bits, group = FP_MODE_PARAMS[config.format]
 
         def fp_tensors(dtype: torch.dtype, shape):
@@ -173,15 +173,18 @@ def compare_with_mlx(folder: Union[str, Path], reference: torch.nn.Module, quant
 
 
 def mlx_config(config: Any) -> Any:
-    """The int config as MLX holds it: its bits (7 -> 8, MLX has no 7-bit mode) and a group of 32, 64 or
+    """The config as MLX holds it. int: its bits (7 -> 8, MLX has no 7-bit mode) and a group of 32, 64 or
     128 quantized as such from the start. A whole row becomes mlx-lm's default group of 64 (MLX stores a
     scale and bias per group of 64 anyway, so the finer group costs nothing against a regrouped row, and
     64 divides every K MLX can group by 64 or 128); a coarser group the largest MLX group that divides
-    it; a group no MLX group divides (16, 48) groups of 32. Other configs unchanged."""
+    it; a group no MLX group divides (16, 48) groups of 32. nvfp4: granularity "block" (global scale 1,
+    the e4m3 block scales alone: MLX's nvfp4 mode stores no global scale). Other configs unchanged."""
     import dataclasses
 
     from llmq_mlx.regroup import MLX_BITS, MLX_GROUP_SIZES
 
+    if config is not None and config.format == "nvfp4":
+        return config if config.granularity == "block" else dataclasses.replace(config, granularity="block")
     if config is None or config.format != "int":
         return config
     bits = config.bits if config.bits in MLX_BITS else min(b for b in MLX_BITS if b >= config.bits)
@@ -237,11 +240,11 @@ class MlxBackend(Backend):
     """--backend=mlx (see the module docstring)."""
 
     name = "mlx"
-    description = ("a folder mlx_lm.load runs (MLX affine int weights, mxfp4/mxfp8 in MLX's modes of those names; "
-                   "mlx-lm names and config.json)")
-    # MLX affine weights are integer; llmq's mxfp4/mxfp8 are MLX's modes byte for byte; nvfp4 is not
-    # (MLX's QuantizedLinear has no global scale: affine.NVFP4_REFUSAL)
-    accepts_formats = ("int", "mxfp4", "mxfp8")
+    description = ("a folder mlx_lm.load runs (MLX affine int weights, mxfp4/mxfp8/nvfp4 in MLX's modes of those "
+                   "names; mlx-lm names and config.json)")
+    # MLX affine weights are integer; llmq's mxfp4/mxfp8 are MLX's modes byte for byte, and so is nvfp4
+    # quantized with global scale 1 (MLX's QuantizedLinear has none: recipe_for asks for granularity "block")
+    accepts_formats = ("int", "mxfp4", "mxfp8", "nvfp4")
     takes_float = False
     checks_consumer = True  # mlx_lm.load runs the folder
     needs_tokenizer_files = True  # a GGUF input's tokenizer is written out as files for mlx_lm.load
@@ -256,14 +259,9 @@ class MlxBackend(Backend):
         self._regrouped: List[str] = []  # what recipe_for changed in the last recipe it was given
 
     def recipe_for(self, recipe: Any) -> Any:
-        """The recipe as MLX stores it (mlx_recipe): groups MLX holds (32/64/128) quantized as such, so the
-        folder holds exactly the values this recipe gives, with no regrouping; the summary says what changed."""
-        from llmq_mlx.affine import NVFP4_REFUSAL
-
-        # the first rule MLX cannot hold: nvfp4 gets its reason here, any other format the generic refusal
-        first = next((r for r in recipe.rules if r.config is not None and r.config.format not in self.accepts_formats), None)
-        if first is not None and first.config.format == "nvfp4":
-            raise ValueError(f"recipe rule {first.pattern!r}: --backend mlx does not write nvfp4: {NVFP4_REFUSAL}")
+        """The recipe as MLX stores it (mlx_recipe): groups MLX holds (32/64/128) quantized as such, nvfp4
+        with global scale 1, so the folder holds exactly the values this recipe gives, with no regrouping or
+        rescaling; the summary says what changed."""
         recipe, self._regrouped = mlx_recipe(recipe)
         return recipe
 
@@ -277,6 +275,10 @@ class MlxBackend(Backend):
         if formats & {"mxfp4", "mxfp8"}:
             rows.append(("MLX values", "mxfp4/mxfp8 weights in MLX's modes of those names (the same code and E8M0 "
                                        "bytes): exactly llmq's values (mx.dequantize in float32)"))
+        if "nvfp4" in formats:
+            rows.append(("MLX values", "nvfp4 weights in MLX's nvfp4 mode, quantized with global scale 1 (e4m3 block "
+                                       "scales over block amax / 6, no per-tensor scale: MLX stores none): exactly "
+                                       "llmq's values (mx.dequantize in float32)"))
         return rows
 
     def storage(self, config: Any, job: Optional[WriteJob]) -> Storage:

@@ -11,7 +11,7 @@ pipelines own the HF -> MLX key maps, e.g. qwen3_5_moe's conv1d [C, K, 1] and +1
   `<module>.weight` (or just `<module>`), and `<module>.weight/.scales/.biases` are written;
 * `value` llmq's mxfp4 / mxfp8 weight (llmq.quant.formats.mx.MXWeight): written in MLX's mode
   of that name (`.weight` uint32 words of the same code bytes, `.scales` the uint8 E8M0 bytes, no
-  biases: affine.pack_mlx_fp); llmq's nvfp4 is refused (affine.NVFP4_REFUSAL);
+  biases: affine.pack_mlx_fp); llmq's nvfp4 with global scale 1 in MLX's nvfp4 mode (others refused: affine.NVFP4_GLOBAL_SCALE_REFUSAL);
 
 Output:
 

@@ -9,6 +9,7 @@ import torch
 
 from llmq.quant.formats import GroupQuantizedWeight
 from llmq.quant.formats.mx import MXWeight
+from llmq.quant.formats.nvfp4 import NVFP4Weight
 
 Value = Union[torch.Tensor, GroupQuantizedWeight]
 
@@ -18,6 +19,10 @@ def split_rows(value: Value, start: int, stop: int) -> Value:
     if isinstance(value, MXWeight):
         return dataclasses.replace(value, codes=value.codes[..., start:stop, :].contiguous(),
                                    scale_e8m0=value.scale_e8m0[..., start:stop, :].contiguous(),
+                                   shape=tuple(value.shape[:-2]) + (stop - start, value.shape[-1]))
+    if isinstance(value, NVFP4Weight):  # the global scale (one per expert) covers every row: kept
+        return dataclasses.replace(value, codes=value.codes[..., start:stop, :].contiguous(),
+                                   block_scale=value.block_scale[..., start:stop, :].contiguous(),
                                    shape=tuple(value.shape[:-2]) + (stop - start, value.shape[-1]))
     if isinstance(value, GroupQuantizedWeight):
         shape = tuple(value.shape[:-2]) + (stop - start, value.shape[-1])
