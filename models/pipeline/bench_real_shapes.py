@@ -2,6 +2,7 @@
 
     bazel run //models/pipeline:bench_real_shapes -- [--models=gemma4_31b,qwen3_5_35b_a3b] [--layers=4,8]
         [--workdir=/path/with/room] [--calibration_text=FILE] [--max_rss_gb=18] [--timeout_s=5400]
+        [--budget_method=hqq] [--grow]
 
 For each model and layer count: writes the synthetic checkpoint (real_shapes.write_real_shapes, in a
 child process under /usr/bin/time -v, so the generator's own peak is measured too), runs
@@ -10,7 +11,8 @@ child process under /usr/bin/time -v, so the generator's own peak is measured to
 
 under /usr/bin/time -v (peak RSS of the whole run, from outside), timestamps every line the run prints
 and reads the per-layer progress lines ("<pass>: i/n layers, s each"), then deletes both folders
-before the next case. A watchdog stops a run whose process tree passes --max_rss_gb (the machine is
+before the next case (with --grow, each larger layer count of a model is copied from the previous
+count's checkpoint, `real_shapes --grow_from`, which is deleted after that). A watchdog stops a run whose process tree passes --max_rss_gb (the machine is
 shared; a stopped run is reported as such, with the RSS it had reached). Prints the table and the
 arithmetic of the full 60-layer / 40-layer runs on a 24 GB machine from the measured peaks.
 """
@@ -45,6 +47,9 @@ flags.DEFINE_list("layers", ["4", "8"], "Layer counts.")
 flags.DEFINE_string("workdir", None, "Where the checkpoints and outputs go (default: a temporary folder).")
 flags.DEFINE_string("calibration_text", None, "Calibration text (default: the repository's README.md).")
 flags.DEFINE_float("budget_bits_per_weight", 4.5, "--budget_bits_per_weight of the runs.")
+flags.DEFINE_string("budget_method", "hqq", "--budget_method of the runs (the method of every candidate).")
+flags.DEFINE_boolean("grow", False, "Write each model's first layer count by drawing, each next one by copying layers from "
+                     "the previous checkpoint (real_shapes --grow_from: disk speed instead of drawing again).")
 flags.DEFINE_float("max_rss_gb", 18.0, "Stop a run whose processes together pass this resident size.")
 flags.DEFINE_integer("timeout_s", 5400, "Stop a run after this many seconds.")
 flags.DEFINE_boolean("keep", False, "Keep the checkpoints and outputs.")
@@ -139,16 +144,18 @@ def passes(lines, total_s: float) -> Dict[str, Dict[str, float]]:
     return out
 
 
-def run_case(model: str, layers: int, workdir: str, text: str, env: Dict[str, str]) -> Dict:
+def run_case(model: str, layers: int, workdir: str, text: str, env: Dict[str, str],
+             grow_from: Optional[str] = None, keep_checkpoint: bool = False) -> Dict:
     ckpt = os.path.join(workdir, f"{model}-{layers}l")
     out = ckpt + "-q"
     reuse = FLAGS.reuse_checkpoints and os.path.isfile(os.path.join(ckpt, "config.json"))
     for folder in (out,) if reuse else (ckpt, out):
         shutil.rmtree(folder, ignore_errors=True)
-    row: Dict = {"model": model, "layers": layers, "gen_s": None, "gen_rss": None}
+    row: Dict = {"model": model, "layers": layers, "gen_s": None, "gen_rss": None, "grown": bool(grow_from)}
     try:
         write = [sys.executable, "-m", "models.pipeline.real_shapes", f"--model={model}", f"--layers={layers}",
-                 f"--out={ckpt}"] + (["--tiny"] if FLAGS.tiny_shapes else [])
+                 f"--out={ckpt}"] + (["--tiny"] if FLAGS.tiny_shapes else []) + (
+                     [f"--grow_from={grow_from}"] if grow_from else [])
         gen: Dict = ({"rc": 0, "seconds": None, "peak_rss": None, "lines": []} if reuse
                      else timed_run(write, max_rss=8e9, timeout_s=3600, env=env))
         if gen["rc"] != 0:
@@ -158,6 +165,7 @@ def run_case(model: str, layers: int, workdir: str, text: str, env: Dict[str, st
         pkg = PACKAGES[model]
         run = timed_run([sys.executable, "-m", f"models.{pkg}.quantize_and_save", f"--checkpoint={ckpt}",
                          f"--calibration_text={text}", f"--budget_bits_per_weight={FLAGS.budget_bits_per_weight}",
+                         f"--budget_method={FLAGS.budget_method}",
                          "--verify", "--progress", f"--out={out}"], max_rss=FLAGS.max_rss_gb * 1e9,
                         timeout_s=FLAGS.timeout_s, env=env)
         row.update(run_s=run["seconds"], peak_rss=run["peak_rss"], rc=run["rc"], stopped=run["stopped"],
@@ -166,8 +174,10 @@ def run_case(model: str, layers: int, workdir: str, text: str, env: Dict[str, st
                    tail=[t for _, t in run["lines"] if not t.startswith("\t")][-30:])
         return row
     finally:
+        if grow_from:
+            shutil.rmtree(grow_from, ignore_errors=True)
         if not FLAGS.keep:
-            for folder in (ckpt, out, out + ".partial"):
+            for folder in ((out, out + ".partial") if keep_checkpoint else (ckpt, out, out + ".partial")):
                 shutil.rmtree(folder, ignore_errors=True)
 
 
@@ -197,10 +207,14 @@ def main(argv):
     text = FLAGS.calibration_text or os.path.join(REPO, "README.md")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     rows = []
+    counts = [int(n) for n in FLAGS.layers]
     for model in FLAGS.models:
-        for layers in (int(n) for n in FLAGS.layers):
+        previous = None
+        for k, layers in enumerate(counts):
             print(f"== {model}, {layers} layers", flush=True)
-            row = run_case(model, layers, workdir, text, env)
+            grow = FLAGS.grow and not FLAGS.keep and k + 1 < len(counts)  # the next count copies from this one
+            row = run_case(model, layers, workdir, text, env, grow_from=previous, keep_checkpoint=grow)
+            previous = os.path.join(workdir, f"{model}-{layers}l") if grow else None
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "tail"}, default=str), flush=True)
             if row.get("rc") or row.get("stopped") or row.get("error"):
@@ -219,7 +233,8 @@ def main(argv):
             elif p.get("span_s", 0) >= 1:
                 per.append(f"{what} {p['span_s'] / r['layers']:.1f} s (span / layers)")
         result = r["stopped"] or ("ok" if r["rc"] == 0 else f"exit {r['rc']}")
-        gen = _gb(r["gen_rss"]) + ("" if r["gen_s"] is None else f", {r['gen_s']:.0f} s")
+        gen = _gb(r["gen_rss"]) + ("" if r["gen_s"] is None else f", {r['gen_s']:.0f} s") + (
+            " (grown)" if r.get("grown") else "")
         print(f"| {r['model']} | {r['layers']} | {_gb(r['checkpoint_bytes'])} | {gen} | "
               f"{r['run_s']:.0f} s | {_gb(r['peak_rss'])} | {'; '.join(per)} | {_gb(r['output_bytes'])} | {result} |")
     print("\nAt the real layer counts (bf16 bytes from the real configs; peak extrapolated linearly from the two "

@@ -293,3 +293,56 @@ def test_calibration_inputs_quantized_rounds_each_layer_against_the_quantized_on
         assert value.qdata.equal(want.qdata) and value.scale.equal(want.scale), name
         changed += not value.qdata.equal(floats[name].qdata)
     assert changed  # the sequential form rounds some matrices differently
+
+
+@pytest.fixture(scope="module")
+def measured_every_row():
+    """The embedded Gemma 4 model's matrices the int4 recipe quantizes, an importance per module, and
+    every candidate measured on every row."""
+    import torch
+
+    from llmq.quant.budget import SAMPLE_WEIGHTS, measure_options
+    from llmq.quant.importance import Calibration
+    from llmq.quant.presets import load_recipe
+    from models.pipeline.arch import quantizable_module
+    from models.pipeline.size_budget import candidates
+
+    config = GEMMA4.config_from_hf(GEMMA4.tiny_hf_config())
+    torch.manual_seed(0)
+    model = GEMMA4.build_model(config, device="cpu", dtype=torch.float32)
+    GEMMA4.prepare_default(model)
+    state = model.state_dict()
+    base = load_recipe("int4")
+    bound = base.bind(GEMMA4.num_layers(config))
+    matrices = {n: t for n, t in state.items() if quantizable_module(n) and bound.get_config(quantizable_module(n))}
+    assert matrices and all(t.numel() <= SAMPLE_WEIGHTS for t in matrices.values())  # the real run samples none here
+    g = torch.Generator().manual_seed(5)  # activations' spread: a few busy columns
+    calibration = Calibration({quantizable_module(n): torch.exp(torch.randn(t.shape[-1], generator=g))
+                               for n, t in matrices.items()}, {}, 0)
+    full = {n: measure_options(n, t, candidates("hqq"), importance=calibration.importance_of(quantizable_module(n)),
+                               relative=True) for n, t in matrices.items()}
+    return state, base, GEMMA4.num_layers(config), calibration, full
+
+
+@pytest.mark.parametrize("budget", [4.75, 5.5, 6.5])
+def test_budget_measured_on_sampled_rows_chooses_within_3_percent_of_every_row(measured_every_row, budget):
+    """--budget_bits_per_weight measures a matrix above SAMPLE_WEIGHTS on a sample of its rows. On the
+    embedded Gemma 4 model, sampled far harder than the real sizes are (1 Ki weights: 8 of a matrix's
+    64-512 rows, 32-64 groups, where a real 21504 x 5376 down_proj keeps 48 rows, 32 Ki groups), the
+    choice keeps its exact bits within the budget and its total error measured on every row is within
+    3% of the choice made from every row (measured: 0.2-1.3% above, or below where the greedy fill
+    of the full measurement is itself not optimal)."""
+    from llmq.quant.budget import choose
+    from models.pipeline.arch import quantizable_module
+    from models.pipeline.size_budget import choose_recipe
+
+    state, base, layers, calibration, full = measured_every_row
+    numel = {n: state[n].numel() for n in full}
+    best = choose(full, numel, budget)
+    sampled = choose_recipe(lambda: iter(state.items()), base, layers, budget, "hqq", calibration,
+                            sample_weights=1024).recipe.bind(layers)
+    picked = {n: next(i for i, o in enumerate(full[n]) if o.config == sampled.get_config(quantizable_module(n)))
+              for n in full}
+    assert sum(full[n][i].bits for n, i in picked.items()) <= budget * sum(numel.values())
+    error = sum(full[n][i].error for n, i in picked.items())
+    assert error <= 1.03 * sum(full[n][i].error for n, i in best.items())

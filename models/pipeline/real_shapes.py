@@ -19,6 +19,13 @@ memory speed. The folder gets a byte-level BPE tokenizer
 Written tensor by tensor (llmq.export.shards.ShardWriter, 4 GiB shards); a tensor above 64 Mi
 elements (the embedding, Qwen's untied head) is generated and written by blocks of rows, so the
 generator holds at most about 256 MB of tensor data whatever the model.
+
+--grow_from=<folder>: the same checkpoint at more layers without drawing again: every tensor is
+copied from the folder (one this program wrote for the same model, fewer layers), a layer from the
+source layer of the same index where that one has the same type, else from the first source layer of
+its type (same shapes, same statistics); the embedding and head as they are. Byte copies at disk
+speed, where drawing tens of GB takes tens of minutes on a loaded machine; the layers are then
+repeats, which changes nothing the bench measures (shapes, sizes, memory, time per layer).
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ import json
 import math
 import os
 import re
-from typing import Dict, Iterator, List, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 from absl import app, flags
@@ -164,9 +171,54 @@ def _values(stat, shape, rows: slice, normals: Normals) -> torch.Tensor:
     return normals.draw(shape, std, mean)
 
 
-def write_real_shapes(model: str, layers: int, out: str, *, seed: int = 0, hf_config=None) -> Dict[str, int]:
+_LAYER = re.compile(r"\.layers\.(\d+)\.")
+
+
+class _Source:
+    """Tensors of a checkpoint this program wrote, read by name or by blocks of rows (--grow_from)."""
+
+    def __init__(self, folder: str, types: List[str]):
+        from safetensors import safe_open
+
+        with open(os.path.join(folder, "config.json")) as f:
+            hf = json.load(f)
+        src_types = hf.get("text_config", hf)["layer_types"]
+        self.layer: Dict[int, int] = {}
+        for i, kind in enumerate(types):
+            same = [j for j, t in enumerate(src_types) if t == kind]
+            if not same:
+                raise ValueError(f"--grow_from={folder}: no layer of type {kind!r} to copy (its layer types: {src_types})")
+            self.layer[i] = i if i < len(src_types) and src_types[i] == kind else same[0]
+        self.files = {}
+        for file in sorted(os.listdir(folder)):
+            if file.endswith(".safetensors"):
+                handle = safe_open(os.path.join(folder, file), "pt")
+                self.files.update({name: handle for name in handle.keys()})
+
+    def name(self, name: str) -> str:
+        m = _LAYER.search(name)
+        if m is None:
+            return name
+        return name[:m.start(1)] + str(self.layer[int(m.group(1))]) + name[m.end(1):]
+
+    def rows(self, name: str, rows: slice) -> torch.Tensor:
+        src = self.name(name)
+        if src not in self.files:
+            raise ValueError(f"--grow_from: the source checkpoint has no tensor {src!r} (for {name})")
+        return self.files[src].get_slice(src)[rows.start:rows.stop]
+
+    def tensor(self, name: str) -> torch.Tensor:
+        src = self.name(name)
+        if src not in self.files:
+            raise ValueError(f"--grow_from: the source checkpoint has no tensor {src!r} (for {name})")
+        return self.files[src].get_tensor(src)
+
+
+def write_real_shapes(model: str, layers: int, out: str, *, seed: int = 0, hf_config=None,
+                      grow_from: Optional[str] = None) -> Dict[str, int]:
     """Write the checkpoint folder; returns {"tensors": n, "bytes": tensor bytes}. hf_config: another
-    config of the architecture instead of the real one (tests), its layer types cut the same way."""
+    config of the architecture instead of the real one (tests), its layer types cut the same way.
+    grow_from: copy every tensor from that folder instead of drawing it (see the module docstring)."""
     arch = _architecture(model)
     if hf_config is None:
         hf_config = real_config(model, layers)
@@ -175,6 +227,7 @@ def write_real_shapes(model: str, layers: int, out: str, *, seed: int = 0, hf_co
         _cut(hf_config.get("text_config", hf_config), layers)
     text = hf_config.get("text_config", hf_config)
     stats = _tiny_stats(arch, text["layer_types"])
+    source = _Source(grow_from, text["layer_types"]) if grow_from else None
     os.makedirs(out, exist_ok=True)
     shards = ShardWriter(out, SHARD_BYTES)
     normals = Normals(torch.Generator().manual_seed(seed))
@@ -192,12 +245,16 @@ def write_real_shapes(model: str, layers: int, out: str, *, seed: int = 0, hf_co
             def parts(name=name, shape=shape, rows=rows, step=step, key=key):
                 for r0 in range(0, rows, step):
                     r1 = min(rows, r0 + step)
-                    yield r0, r1, {name: _values(stats[key], shape, slice(r0, r1), normals)}
+                    yield r0, r1, {name: (_values(stats[key], shape, slice(r0, r1), normals) if source is None
+                                          else source.rows(name, slice(r0, r1)).to(out_dtype))}
 
             if shards.add_row_blocks([(name, placeholder(out_dtype, shape))], rows, parts):
                 count += 1
                 continue
-        value = _values(stats[key], shape, slice(0, shape[0] if len(shape) else 0), normals)
+        value = (_values(stats[key], shape, slice(0, shape[0] if len(shape) else 0), normals) if source is None
+                 else source.tensor(name))
+        if tuple(value.shape) != tuple(shape):
+            raise ValueError(f"--grow_from: {name} has shape {list(value.shape)} there, expected {list(shape)}")
         shards.add(name, value.to(out_dtype).contiguous())  # (non-float tensors: exact small values)
         count += 1
     shards.close()
@@ -217,7 +274,7 @@ def main(argv):
     if not fl.out:
         raise app.UsageError("--out is required")
     tiny = _architecture(fl.model).tiny_hf_config() if fl.tiny else None
-    result = write_real_shapes(fl.model, fl.layers, fl.out, seed=fl.seed, hf_config=tiny)
+    result = write_real_shapes(fl.model, fl.layers, fl.out, seed=fl.seed, hf_config=tiny, grow_from=fl.grow_from)
     print(f"{fl.out}: {fl.model} with {fl.layers} layers, {result['tensors']} tensors, {result['bytes']:,} bytes")
 
 
@@ -226,6 +283,8 @@ def _define_flags() -> None:  # only as a program: the module is also imported b
     flags.DEFINE_integer("layers", 4, "Decoder layers to write.", lower_bound=1)
     flags.DEFINE_string("out", None, "Output folder (created).")
     flags.DEFINE_integer("seed", 0, "Seed of the random values.")
+    flags.DEFINE_string("grow_from", None, "Copy the tensors from this checkpoint of the same model with fewer "
+                        "layers instead of drawing them (see the module docstring).")
     flags.DEFINE_boolean("tiny", False, "The architecture's embedded tiny config instead of the real one (smoke tests).")
 
 

@@ -74,3 +74,38 @@ def test_written_checkpoint(model, tmp_path, monkeypatch):
     assert embed.shape[0] > 1 and not torch.equal(embed[0], embed[-1])  # every row block drawn afresh
     ids = load_tokenizer(str(out)).encode("The capital of France is")
     assert 0 < len(ids) and max(ids) < config["vocab_size"]
+
+
+@pytest.mark.parametrize("model", sorted(HF))
+def test_grown_checkpoint_copies_each_layer_from_one_of_the_same_type(model, tmp_path, monkeypatch):
+    """--grow_from: the planned tensors of the larger count, each the bytes of its source tensor (a layer
+    from the same index where the type matches, else the first source layer of its type)."""
+    monkeypatch.setattr(real_shapes, "BLOCK_ELEMENTS", 4096)  # the embedding by rows, copied by rows
+    arch = real_shapes._architecture(model)
+    tiny = arch.tiny_hf_config()
+    small, big = tmp_path / "small", tmp_path / "big"
+    real_shapes.write_real_shapes(model, 2, str(small), hf_config=tiny)
+    result = real_shapes.write_real_shapes(model, 4, str(big), hf_config=tiny, grow_from=str(small))
+
+    def tensors(folder):
+        out = {}
+        for shard in folder.glob("*.safetensors"):
+            with safe_open(str(shard), "pt") as f:
+                out.update({name: f.get_tensor(name) for name in f.keys()})
+        return out
+
+    src, got = tensors(small), tensors(big)
+    config = json.loads((big / "config.json").read_text())
+    types = config["layer_types"]
+    src_types = json.loads((small / "config.json").read_text())["layer_types"]
+    assert len(types) == 4 and types[-1] == "full_attention" and src_types[-1] == "full_attention"
+    planned = {name: tuple(shape) for name, shape, _ in real_shapes.planned_tensors(arch, config)}
+    assert set(got) == set(planned) and result["tensors"] == len(planned)
+    for name, t in got.items():
+        m = real_shapes._LAYER.search(name)
+        i = int(m.group(1)) if m else None
+        j = i if i is None or (i < 2 and src_types[i] == types[i]) else src_types.index(types[i])
+        source = name if m is None else name[:m.start(1)] + str(j) + name[m.end(1):]
+        assert torch.equal(t, src[source]), name
+    with pytest.raises(ValueError, match="no layer of type"):
+        real_shapes._Source(str(small), ["no_such_attention"])

@@ -214,7 +214,8 @@ def run(arch: Architecture, *, checkpoint: Optional[str], recipe: Optional[str],
             if not budget_options:  # the candidates are integer formats
                 raise UsageError(f"--budget_bits_per_weight: --backend {backend} writes no integer format "
                                  f"(it takes {', '.join(writer.accepts_formats)})")
-            print(f"budget: measuring every candidate format of every matrix ({budget_method}; "
+            print(f"budget: measuring every candidate format of every matrix, on a sample of rows where it "
+                  f"has over 1 Mi weights ({budget_method}; "
                   f"{budget_bits_per_weight} bits per weight)", flush=True)
             budget = choose_recipe(model_stream, quant_recipe, arch.num_layers(config), budget_bits_per_weight,
                                    budget_method, calibration, storage=storage, options=budget_options)

@@ -14,7 +14,10 @@ pair), and each candidate is quantized with the scale dtype it writes. With --ca
 by each layer's importance. Each option's error is relative to its matrix's (weighted) energy, about
 the layer's relative output error: on Gemma 3 270M at 4.5 bits per weight this objective beat the
 absolute error sum (docs/quality.md). One pass over the input measures every option (only the
-numbers are kept); the quantizing pass then reads the input again.
+numbers are kept); the quantizing pass then reads the input again. A matrix of more than
+`SAMPLE_WEIGHTS` (1 Mi) elements is measured on an evenly spaced sample of its rows, every column kept
+(llmq.quant.budget.sample_rows: its error estimated from theirs, its bits exact), so the pass costs at
+most that much per matrix and candidate whatever the model's size.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 
 from llmq.quant import QuantRecipe
-from llmq.quant.budget import DEFAULT_OPTIONS, Option, budget_recipe, choose, measure_options, shape_problem, summarize
+from llmq.quant.budget import (DEFAULT_OPTIONS, SAMPLE_WEIGHTS, Option, budget_recipe, choose, measure_options,
+                               shape_problem, summarize)
 from llmq.quant.importance import Calibration
 from llmq.quant.storage import CANONICAL, Storage
 from models.pipeline.arch import quantizable_module
@@ -49,7 +53,8 @@ def candidates(method: str, options: Sequence[Any] = DEFAULT_OPTIONS):
 def choose_recipe(stream: Callable, base: QuantRecipe, num_layers: int, budget_bits_per_weight: float, method: str,
                   calibration: Optional[Calibration] = None,
                   storage: Callable[[Any], Storage] = lambda config: CANONICAL,
-                  options: Sequence[Any] = DEFAULT_OPTIONS) -> BudgetChoice:
+                  options: Sequence[Any] = DEFAULT_OPTIONS,
+                  sample_weights: Optional[int] = SAMPLE_WEIGHTS) -> BudgetChoice:
     bound = base.bind(num_layers)
     configs = candidates(method, options)
     narrowed: Dict[str, List[str]] = {}  # "what it cannot take" -> the matrices a candidate's shape check left out
@@ -68,7 +73,7 @@ def choose_recipe(stream: Callable, base: QuantRecipe, num_layers: int, budget_b
             configs_here = configs
         try:
             options[fqn] = measure_options(fqn, value, configs_here, importance=importance, relative=True,
-                                           storage=storage, hessian=hessian)
+                                           storage=storage, hessian=hessian, sample_weights=sample_weights)
         except ValueError as e:
             raise UsageError(f"--budget_bits_per_weight: {e}") from None
         numel[fqn] = value.numel()

@@ -9,6 +9,12 @@ How it works:
    error, optionally weighted per input channel by an importance vector (the imatrix idea:
    the mean squared activation of each input column, so an error on a busy column costs more).
    Only these numbers are kept: the stream is read once and no quantized weight is held.
+   A matrix of more than `sample_weights` elements (SAMPLE_WEIGHTS where the pipeline asks) is
+   measured on an evenly spaced sample of its rows (`sample_rows`), every column kept: the formats'
+   groups run along a row (`Format.rows_independent`), so those rows' codes and errors are exactly
+   what quantizing the whole matrix gives them, and the error of the whole is estimated as the
+   sample's times rows / sampled rows; the bits are the whole matrix's, exact. This keeps the
+   pass's cost per matrix bounded (a 21504 x 5376 down_proj has 116 M weights; its sample 1 M).
 2. `choose` solves the multiple-choice knapsack by its Lagrangian relaxation: for a price
    `lam` per bit every weight independently takes the option minimising error + lam * bits;
    bisection finds the cheapest price whose choice fits the budget, then the bits still free
@@ -20,15 +26,16 @@ How it works:
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from llmq.quant.formats import get_format
+from llmq.quant.formats import format_of, get_format
 from llmq.quant.quantize import dequantize, quantize_weight, takes_importance
 from llmq.quant.recipe import QuantConfig, QuantRecipe, QuantRule
-from llmq.quant.storage import CANONICAL, Storage
+from llmq.quant.storage import CANONICAL, Storage, element_bits
 
 # Integer group-wise options every backend takes (MLX: bits 3..8, groups 32..128).
 DEFAULT_OPTIONS: Tuple[QuantConfig, ...] = (
@@ -39,6 +46,10 @@ DEFAULT_OPTIONS: Tuple[QuantConfig, ...] = (
     QuantConfig(bits=6, group_size=32, symmetric=False),
     QuantConfig(bits=8, group_size=32, symmetric=False),
 )
+
+
+# What the pipeline measures a matrix on at most (elements): its rows are sampled above this.
+SAMPLE_WEIGHTS = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,10 +77,24 @@ def output_error(w: torch.Tensor, approx: torch.Tensor, hessian: torch.Tensor) -
     return float(((d @ hessian.double()) * d).sum())
 
 
+def sample_rows(w: torch.Tensor, max_weights: int) -> torch.Tensor:
+    """The rows [n, K] of `w` (any leading dimensions flattened) that the budget measures it on: all
+    of them when they hold at most `max_weights` elements, else n = max(1, max_weights // K) rows
+    evenly spaced over all R (row (2i + 1) * R // (2n) for i < n: deterministic, every part of the
+    matrix, every expert of a stack, is represented)."""
+    k = w.shape[-1]
+    rows = w.reshape(-1, k)
+    total = rows.shape[0]
+    n = max(1, max_weights // max(k, 1))
+    if n >= total:
+        return rows
+    return rows[(torch.arange(n) * 2 + 1) * total // (2 * n)]
+
+
 def measure_options(name: str, w: torch.Tensor, configs: Sequence[QuantConfig] = DEFAULT_OPTIONS,
                     importance: Optional[torch.Tensor] = None, relative: bool = False,
                     storage: Callable[[QuantConfig], Storage] = lambda config: CANONICAL,
-                    hessian: Optional[torch.Tensor] = None) -> List[Option]:
+                    hessian: Optional[torch.Tensor] = None, sample_weights: Optional[int] = None) -> List[Option]:
     """Every config that can hold `w` (its format's `shape_problem` is None: e.g. the group size divides K, a
     GGUF K-quant's 256 divides K), with the bits `storage` writes
     for it and its error; each config takes the scale dtype its storage writes.
@@ -80,35 +105,64 @@ def measure_options(name: str, w: torch.Tensor, configs: Sequence[QuantConfig] =
 
     hessian: the layer's input second moment H [K, K] (Calibration.hessians): configs of method
     "gptq" round against it, and every option's error is the output error `output_error` (energy:
-    tr(W H W^T)) instead of the importance-weighted weight error."""
+    tr(W H W^T)) instead of the importance-weighted weight error.
+
+    sample_weights: measure a larger matrix on `sample_rows(w, sample_weights)` (configs whose format
+    quantizes rows independently; the others see every row): its error is the sample's times
+    rows / sampled rows, an estimate of the whole matrix's (exact for the sampled rows), its bits the
+    whole matrix's. None: every row."""
     if importance is not None and importance.shape != (w.shape[-1],):
         raise ValueError(f"{name}: importance has shape {list(importance.shape)}, expected [{w.shape[-1]}] "
                          "(one value per input column)")
-    options = []
+    shape = tuple(w.shape)
+    sampled = sample_weights is not None and w.dim() >= 2 and w.numel() > sample_weights
+    sample = sample_rows(w, sample_weights) if sampled and sample_weights is not None else w
+    scale = math.prod(shape[:-1]) / sample.shape[0]  # rows / sampled rows
+    options, parts = [], []
     for config in configs:
-        if shape_problem(config, tuple(w.shape)) is not None:
+        if shape_problem(config, shape) is not None:
             continue
         # method "hqq" minimises the importance-weighted error itself; the others only get measured by it
         stored = storage(config)
         if config.format == "int":
             config = dataclasses.replace(config, scale_dtype=stored.scale_dtype)
+        part = sample if get_format(config.format).rows_independent else w
         if config.method == "gptq":
-            q = quantize_weight(w, config, name=name, hessian=hessian)
+            q = quantize_weight(part, config, name=name, hessian=hessian)
         else:
-            q = quantize_weight(w, config, name=name, importance=importance if takes_importance(config) else None)
+            q = quantize_weight(part, config, name=name, importance=importance if takes_importance(config) else None)
         approx = dequantize(q, torch.float32)
-        error = weight_error(w, approx, importance) if hessian is None else output_error(w, approx, hessian)
-        options.append(Option(config, stored.bits(tuple(w.shape), q), error))
+        error = weight_error(part, approx, importance) if hessian is None else output_error(part, approx, hessian)
+        options.append(Option(config, _bits(stored, shape, q), error * (scale if part is not w else 1.0)))
+        parts.append(part)
     if not options:
         raise ValueError(f"{name}: none of the candidate formats holds its shape {list(w.shape)}: "
                          + "; ".join(sorted({shape_problem(c, tuple(w.shape)) or "" for c in configs})))
-    zero = torch.zeros_like(w, dtype=torch.float32)
-    energy = 0.0
-    if relative:
-        energy = weight_error(w, zero, importance) if hessian is None else output_error(w, zero, hessian)
-    if energy > 0:  # an all-zero weight is exact in every option: its errors stay 0
-        options = [dataclasses.replace(o, error=o.error / energy) for o in options]
-    return options
+    if not relative:
+        return options
+    energies: Dict[int, float] = {}  # of the rows each option was measured on, scaled alike
+
+    def energy_of(x: torch.Tensor) -> float:
+        if id(x) not in energies:
+            zero = torch.zeros_like(x, dtype=torch.float32)
+            e = weight_error(x, zero, importance) if hessian is None else output_error(x, zero, hessian)
+            energies[id(x)] = e * (scale if x is not w else 1.0)
+        return energies[id(x)]
+
+    # an all-zero weight is exact in every option: its errors stay 0
+    return [dataclasses.replace(o, error=o.error / energy_of(x)) if energy_of(x) > 0 else o
+            for o, x in zip(options, parts)]
+
+
+def _bits(stored: Storage, shape: Tuple[int, ...], q) -> int:
+    """The bits `stored` writes for a weight of `shape` quantized as `q` (q: the whole weight, or a
+    sample of its rows in the same config: the canonical container's tensors then come from its
+    format's layout for the whole shape)."""
+    fmt = format_of(q)
+    if stored.tensors is not None or fmt is None or tuple(fmt.shape_of(q)) == tuple(shape):
+        return stored.bits(shape, q)
+    layout = fmt.layout(fmt.name_of(q), fmt.params(q), tuple(shape))
+    return sum(element_bits(d) * math.prod(s) for d, s in layout.values())
 
 
 def shape_problem(config: QuantConfig, shape: Tuple[int, ...]) -> Optional[str]:

@@ -1,5 +1,6 @@
 """Mixed precision under a budget (llmq.quant.budget) against brute force on small problems."""
 
+import dataclasses
 import itertools
 import json
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from llmq.quant import dequantize, quantize_weight
-from llmq.quant.budget import DEFAULT_OPTIONS, Option, budget_recipe, choose, measure_options
+from llmq.quant.budget import DEFAULT_OPTIONS, Option, budget_recipe, choose, measure_options, sample_rows
 from llmq.quant.recipe import QuantConfig, QuantRecipe
 from llmq.quant.storage import Storage, group_tensors
 
@@ -61,6 +62,30 @@ def test_relative_errors_are_the_weighted_error_over_the_weighted_energy_and_ign
     scaled = measure_options("b.up_proj", w * 8, importance=imp, relative=True)
     assert [o.error for o in scaled] == pytest.approx([o.error for o in relative], rel=1e-9)
     assert all(o.error == 0 for o in measure_options("zero", torch.zeros(4, 64), relative=True))
+
+
+@pytest.mark.parametrize("shape", [(96, 256), (3, 40, 128)])  # a matrix, a stack of experts
+@pytest.mark.parametrize("storage", [None, _half_storage])
+def test_a_sampled_matrix_counts_the_whole_matrix_bits_and_its_sampled_rows_exact_errors(shape, storage):
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(shape, generator=g) * torch.exp(torch.randn(shape, generator=g))
+    k = shape[-1]
+    imp = torch.rand(k, generator=g) + 0.5
+    rows = w.reshape(-1, k)
+    kw = dict(importance=imp) if storage is None else dict(importance=imp, storage=storage)
+    configs = [dataclasses.replace(c, method="hqq") for c in DEFAULT_OPTIONS[:3]]
+    whole = measure_options("w", w, configs, **kw)
+    sampled = measure_options("w", w, configs, sample_weights=16 * k, **kw)
+    picked = sample_rows(w, 16 * k)
+    index = (torch.arange(16) * 2 + 1) * rows.shape[0] // 32  # evenly spaced, every part of the stack
+    assert torch.equal(picked, rows[index])
+    assert [o.bits for o in sampled] == [o.bits for o in whole]  # exact: the whole matrix's
+    for o in sampled:  # rows quantize on their own: the sampled rows' errors, scaled to all rows
+        q = quantize_weight(w, o.config, importance=imp)
+        d = (w.double() - dequantize(q, torch.float32).double()).reshape(-1, k)[index]
+        assert o.error == pytest.approx(float((d ** 2 * imp.double()).sum()) * rows.shape[0] / 16, rel=1e-9)
+    # at most sample_weights: every row, the same numbers as without sampling
+    assert measure_options("w", w, configs, sample_weights=w.numel(), **kw) == whole
 
 
 def test_a_config_whose_group_does_not_divide_k_is_not_an_option():

@@ -71,6 +71,10 @@ class Format(abc.ABC):
     # The methods whose quantize also takes importance= (positive weights [K], one per input
     # channel, that the method's error is weighted by); quantize_weight refuses importance elsewhere.
     importance_methods: Tuple[str, ...] = ()
+    # True where quantizing a weight quantizes each row (along K) on its own: any subset of the rows,
+    # quantized alone, gives exactly those rows of the whole result (no per-tensor scale), so the
+    # budget may measure a large matrix on a sample of its rows (llmq.quant.budget.measure_options).
+    rows_independent: bool = False
     # Optional: how the family is written into Hugging Face folders (an HFExport, hf_export.py);
     # None where it is not exportable.
     hf_export: Optional[Any] = None

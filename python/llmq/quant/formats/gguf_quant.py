@@ -243,6 +243,7 @@ class GGUFQuantFormat(Format):
     # gguf_fit's methods, and llmq.quant.gptq (needs the layer's H; it fits the blocks by gguf_fit)
     methods = METHODS + ("gptq",)
     importance_methods = ("search", "hqq")
+    rows_independent = True  # groups (and K-quant super-blocks) run along a row
     config_fields = ("bits", "group_size", "symmetric")
 
     def default_config(self, name: str) -> Dict[str, Any]:

@@ -551,6 +551,7 @@ class IntAffineFormat(Format):
     # quantize_int / llmq.quant.search / llmq.quant.hqq / llmq.quant.gptq (needs the layer's H)
     methods = ("minmax", "search", "hqq", "gptq")
     importance_methods = ("hqq", "search")
+    rows_independent = True  # groups (and K-quant super-blocks) run along a row
     hf_export = IntAffineHFExport()
     # Bundles store this family as {"kind": "group_quantized", "bits", "group_size", ...}, the
     # record every bundle version has used for it (so integer bundles stay byte-identical).
