@@ -242,7 +242,7 @@ def write_real_shapes(model: str, layers: int, out: str, *, seed: int = 0, hf_co
             rows = shape[0]
             step = max(1, BLOCK_ELEMENTS // math.prod(shape[1:]))
 
-            def parts(name=name, shape=shape, rows=rows, step=step, key=key):
+            def parts(name=name, shape=shape, rows=rows, step=step, key=key, out_dtype=out_dtype):
                 for r0 in range(0, rows, step):
                     r1 = min(rows, r0 + step)
                     yield r0, r1, {name: (_values(stats[key], shape, slice(r0, r1), normals) if source is None

@@ -28,8 +28,16 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 
 from llmq.quant import QuantRecipe
-from llmq.quant.budget import (DEFAULT_OPTIONS, SAMPLE_WEIGHTS, Option, budget_recipe, choose, measure_options,
-                               shape_problem, summarize)
+from llmq.quant.budget import (
+    DEFAULT_OPTIONS,
+    SAMPLE_WEIGHTS,
+    Option,
+    budget_recipe,
+    choose,
+    measure_options,
+    shape_problem,
+    summarize,
+)
 from llmq.quant.importance import Calibration
 from llmq.quant.storage import CANONICAL, Storage
 from models.pipeline.arch import quantizable_module
