@@ -217,8 +217,7 @@ def main(argv):
             previous = os.path.join(workdir, f"{model}-{layers}l") if grow else None
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "tail"}, default=str), flush=True)
-            if row.get("rc") or row.get("stopped") or row.get("error"):
-                print("\n".join(row.get("tail", [])), flush=True)
+            print("\n".join(row.get("tail", [])), flush=True)  # the run's summary (budget, verification) or error
     print("\n| model | layers | checkpoint (bf16) | generator peak RSS | run | peak RSS (time -v) | "
           "time per layer, per pass | output | result |")
     print("|---|---|---|---|---|---|---|---|---|")
