@@ -129,9 +129,11 @@ def test_quantize_and_save_from_gguf_and_default(converted, tmp_path):
     bundle = load_bundle(result["bundle"])
     assert all(bundle[n].group_size == 32 for n in quantized)  # GGUF-quantized weights keep their Q8_0 groups
     assert bundle["model.layers.0.self_attn.q_proj.weight"].group_size == 64  # float ones: the recipe's per-channel int8
-    # int8 per channel: weight error ~0.3 % relative, so logits of a random model agree to ~1e-4 in cosine
-    assert result["cosine"] > 0.999
+    # int8 per channel: weight error ~0.3 % relative, so logits of a random model agree to ~1e-4 in cosine;
+    # under Bazel --verify's quantized side runs the compiled kernel, which also rounds the activations to
+    # int8 per group (about as much error again): 1e-3
+    assert result["cosine"] > 0.998
     default = run(ARCHITECTURE, checkpoint=None, recipe="int8", backend="bundle", out=str(tmp_path / "default"),
                   resume=False, max_shard_size=1 << 20, verify=True, seed=0, progress=False)
     # 7 projections in each of 6 layers, and the tied embedding (the int8 recipe quantizes it too)
-    assert default["quantized"] == 6 * 7 + 1 and default["cosine"] > 0.999
+    assert default["quantized"] == 6 * 7 + 1 and default["cosine"] > 0.998

@@ -208,4 +208,4 @@ def test_list_recipes_prints_descriptions(tmp_path):
     code, stdout, _ = run_main(QWEN, ["--list_recipes", "--backend=mlx"], tmp_path)
     lines = {line.split()[0]: line for line in stdout.splitlines() if line.strip()}
     assert code == 0 and "int4 g32 sym 5.00]" in lines["int4"] and "int8 g32 sym 9.00, int4 g32 sym 5.00]" in lines["mixed"]
-    assert "nvfp4 g16 not written by --backend mlx" in lines["nvfp4"]
+    assert "fp8 per channel not written by --backend mlx" in lines["nvfp4"]  # its FP8 embedding rule

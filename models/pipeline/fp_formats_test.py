@@ -62,10 +62,12 @@ def test_fp_recipe_end_to_end(tmp_path, fmt):
 
 @pytest.mark.parametrize("backend", ["mlx", "cuda"])
 def test_backends_without_fp_refuse_before_any_work(tmp_path, backend):
-    refusal = {"mlx": r"recipe rule '\.\*': --backend mlx does not write nvfp4: .*no per-tensor global scale",
+    # MLX writes nvfp4 (its own mode, block scales only) but has no per-channel FP8; CUDA takes int only
+    fmt = {"mlx": "fp8", "cuda": "nvfp4"}[backend]
+    refusal = {"mlx": r"recipe rule '\.\*': format 'fp8' cannot be written by --backend mlx; it takes int, mxfp4",
                "cuda": r"recipe rule '\.\*': format 'nvfp4' cannot be written by --backend cuda; it takes int"}
     with pytest.raises(UsageError, match=refusal[backend]):
-        _run(tmp_path, recipe_file(tmp_path, "nvfp4"), backend=backend)
+        _run(tmp_path, recipe_file(tmp_path, fmt), backend=backend)
     assert not os.path.exists(tmp_path / "out") and not os.path.exists(tmp_path / "out.partial")
 
 
