@@ -40,6 +40,18 @@ def _bundle_bits(value, name):
     return 8 * sum(t.numel() * t.element_size() for t in (value.qdata, value.scale, value.bias))
 
 
+def _default_params():
+    """The embedded default's weights as its checkpoint stores them (models/pipeline/default_model.py, seed 0,
+    bf16)."""
+    import torch
+
+    torch.manual_seed(0)
+    model = GEMMA4.build_model(GEMMA4.config_from_hf(GEMMA4.tiny_hf_config()), device="cpu", dtype=torch.float32)
+    with torch.no_grad():
+        GEMMA4.prepare_default(model)
+    return {n: t.detach().to(torch.bfloat16) for n, t in model.state_dict().items()}
+
+
 def test_budget_fits_and_its_recipe_file_is_what_the_bundle_holds(budgeted):
     tmp, _, result = budgeted
     recipe_path = os.path.join(result["bundle"], "budget_recipe.json")
@@ -190,8 +202,6 @@ def test_gptq_rules_need_a_calibration_text_and_round_against_each_linears_input
     holds what quantize_weight(..., hessian=) gives for the H collect_calibration measures."""
     import json
 
-    import torch
-
     from llmq.quant import QuantConfig, quantize_weight
     from models.pipeline import calibration as calibration_module
 
@@ -222,12 +232,7 @@ def test_gptq_rules_need_a_calibration_text_and_round_against_each_linears_input
         calibration_module.calibrate_layerwise = real
     hessians = seen["calibration"].hessians
     bundle = load_bundle(result["bundle"])
-    # The embedded default's weights as its checkpoint stores them (models/pipeline/default_model.py, seed 0, bf16).
-    torch.manual_seed(0)
-    model = GEMMA4.build_model(GEMMA4.config_from_hf(GEMMA4.tiny_hf_config()), device="cpu", dtype=torch.float32)
-    with torch.no_grad():
-        GEMMA4.prepare_default(model)
-    params = {n: t.detach().to(torch.bfloat16) for n, t in model.state_dict().items()}
+    params = _default_params()
     quantized = {n: v for n, v in bundle.items() if isinstance(v, GroupQuantizedWeight)}
     assert quantized
     for name, value in quantized.items():
@@ -279,11 +284,7 @@ def test_calibration_inputs_quantized_rounds_each_layer_against_the_quantized_on
             assert not torch.allclose(plain[module], seq[module], rtol=1e-3, atol=1e-6), module
     bundle = load_bundle(runs["quantized"]["bundle"])
     floats = load_bundle(runs["float"]["bundle"])
-    torch.manual_seed(0)
-    model = GEMMA4.build_model(GEMMA4.config_from_hf(GEMMA4.tiny_hf_config()), device="cpu", dtype=torch.float32)
-    with torch.no_grad():
-        GEMMA4.prepare_default(model)
-    params = {n: t.detach().to(torch.bfloat16) for n, t in model.state_dict().items()}
+    params = _default_params()
     quantized = {n: v for n, v in bundle.items() if isinstance(v, GroupQuantizedWeight)}
     assert quantized
     changed = 0
